@@ -1,0 +1,136 @@
+"""Batched chain verification of N draft tokens against a target — the heart of dialspec.
+
+Terms (shapes on every tensor)
+    B               rows in the batch (requests), N draft length, V vocabulary size.
+    target_probs    `[B, N+1, V]` p: the target's distribution at each draft position and, at
+                    index N, after the last draft (for the bonus token).
+    draft_probs     `[B, N, V]`   q: the draft's distribution each draft token was sampled from.
+    draft_tokens    `[B, N]`      x_i ~ q_i, the proposed tokens.
+    weights         float, `[B]` or `[B, N]`: the ensemble weight w on the target (per row, or per
+                    token when a learned head predicts w_t). Verification is against
+                    `ν = w·p + (1−w)·q`; w = 1 is exact speculative decoding, w = 0 accepts every
+                    draft. Ignored by rows whose policy is not ENSEMBLE.
+    policy          optional `PolicyBatch` (per-row baseline policies); None = ensemble for all.
+    greedy          bool or `[B]` bool: temperature-0 rows accept while `x_i == argmax ν_i`, emit
+                    `argmax ν` at the first mismatch, and `argmax p_N` as the bonus.
+    uniforms        optional `[B, N+1]` in [0, 1): row b's coins for the N acceptance tests and
+                    the final draw. Pass per-request streams here for batch-invariant seeding;
+                    otherwise they are drawn from `generator`.
+
+Algorithm (sampling rows): accept x_i with probability `a_i` (policy-defined; for the ensemble
+`min(1, ν(x_i)/q(x_i))`) until the first rejection k; emit x_1..x_k, then one token from
+`norm(residual_k)` (`norm(max(0, p_k − q_k))` for the ensemble; p_k when that mass is ~0), or from
+`p_N` if all N were accepted. Each emitted position is then distributed exactly as ν.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verifier.policies import PolicyBatch, verdicts
+from verifier.sampling import sample_inverse_cdf
+
+PAD_TOKEN = -1
+# Below this residual mass p and q agree to float precision; sampling the residual would amplify
+# rounding noise, and the exact answer (p == q there) is to sample p.
+_RESIDUAL_FLOOR = 1e-9
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    num_accepted: torch.Tensor  # [B] long, accepted drafts in [0, N]
+    tokens: torch.Tensor  # [B, N+1] long: accepted drafts, then the correction/bonus, then PAD_TOKEN
+    accept_probs: torch.Tensor  # [B, N] acceptance probability per position (0/1 for greedy rows)
+
+    @property
+    def num_emitted(self) -> torch.Tensor:  # [B]
+        return self.num_accepted + 1
+
+
+def _check_inputs(target_probs, draft_probs, draft_tokens, weights, greedy, uniforms):
+    if target_probs.dim() != 3 or draft_probs.dim() != 3 or draft_tokens.dim() != 2:
+        raise ValueError(
+            "expected target_probs [B, N+1, V], draft_probs [B, N, V], draft_tokens [B, N]; got "
+            f"{tuple(target_probs.shape)}, {tuple(draft_probs.shape)}, {tuple(draft_tokens.shape)}"
+        )
+    b, n, v = draft_probs.shape
+    if tuple(target_probs.shape) != (b, n + 1, v):
+        raise ValueError(
+            f"target_probs must be [B, N+1, V] = {(b, n + 1, v)}, got {tuple(target_probs.shape)}"
+        )
+    if tuple(draft_tokens.shape) != (b, n):
+        raise ValueError(f"draft_tokens must be [B, N] = {(b, n)}, got {tuple(draft_tokens.shape)}")
+    if draft_tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
+    if n > 0 and (bool((draft_tokens < 0).any()) or bool((draft_tokens >= v).any())):
+        raise ValueError(f"draft_tokens must lie in [0, {v})")
+    w = torch.as_tensor(weights, dtype=target_probs.dtype, device=target_probs.device)
+    if w.dim() == 0:
+        w = w.expand(b, n)
+    elif w.dim() == 1 and w.shape[0] == b:
+        w = w.unsqueeze(1).expand(b, n)
+    elif tuple(w.shape) != (b, n):
+        raise ValueError(f"weights must be a float, [B]={b} or [B, N]={(b, n)}, got {tuple(w.shape)}")
+    if bool(torch.isnan(w).any()) or bool((w < 0).any()) or bool((w > 1).any()):
+        raise ValueError("weights must lie in [0, 1] (no NaN)")
+    g = torch.as_tensor(greedy, dtype=torch.bool, device=target_probs.device)
+    g = g.expand(b) if g.dim() == 0 else g
+    if tuple(g.shape) != (b,):
+        raise ValueError(f"greedy must be a bool or [B]={b} bools, got {tuple(g.shape)}")
+    if uniforms is not None and tuple(uniforms.shape) != (b, n + 1):
+        raise ValueError(f"uniforms must be [B, N+1] = {(b, n + 1)}, got {tuple(uniforms.shape)}")
+    return w, g
+
+
+def verify(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    weights=1.0,
+    *,
+    policy: PolicyBatch | None = None,
+    greedy=False,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> VerifyResult:
+    """Verify a batch of draft chains; see the module docstring for every term and shape.
+
+    Returns `VerifyResult(num_accepted [B], tokens [B, N+1] padded with -1, accept_probs [B, N])`.
+    Raises ValueError naming the offending argument on bad shapes, tokens or weights.
+    """
+    w, greedy_rows = _check_inputs(target_probs, draft_probs, draft_tokens, weights, greedy, uniforms)
+    if policy is not None and policy.batch_size != draft_probs.shape[0]:
+        raise ValueError(f"policy has {policy.batch_size} rows, batch has {draft_probs.shape[0]}")
+    b, n, _ = draft_probs.shape
+    device = target_probs.device
+    if uniforms is None:
+        uniforms = torch.rand(b, n + 1, generator=generator, device=device)
+    x = draft_tokens.long()
+    p, p_bonus = target_probs[:, :n], target_probs[:, n]  # [B, N, V], [B, V]
+
+    accept_prob, residual, greedy_target = verdicts(p, draft_probs, x, w, policy)  # [B,N], [B,N,V] x2
+    greedy_pick = greedy_target.argmax(-1)  # [B, N]
+    accepted = torch.where(greedy_rows.unsqueeze(-1), x == greedy_pick, uniforms[:, :n] < accept_prob)
+    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B]
+
+    # The distribution of the one extra token: residual at the first rejection, else p_N.
+    k = num_accepted.clamp(max=max(n - 1, 0))
+    all_accepted = (num_accepted == n).unsqueeze(-1)  # [B, 1]
+    if n > 0:
+        rows = torch.arange(b, device=device)
+        res_k, p_k = residual[rows, k], p[rows, k]  # [B, V]
+        res_k = torch.where(res_k.sum(-1, keepdim=True) <= _RESIDUAL_FLOOR, p_k, res_k)
+        final_dist = torch.where(all_accepted, p_bonus, res_k)  # [B, V]
+        greedy_final = torch.where(all_accepted.squeeze(-1), p_bonus.argmax(-1), greedy_pick[rows, k])
+    else:
+        final_dist, greedy_final = p_bonus, p_bonus.argmax(-1)
+    final = torch.where(greedy_rows, greedy_final, sample_inverse_cdf(final_dist, uniforms[:, n]))  # [B]
+
+    positions = torch.arange(n + 1, device=device).unsqueeze(0)  # [1, N+1]
+    padded_drafts = torch.cat([x, x.new_full((b, 1), PAD_TOKEN)], dim=1)  # [B, N+1]
+    tokens = torch.where(positions < num_accepted.unsqueeze(-1), padded_drafts, PAD_TOKEN)
+    tokens = torch.where(positions == num_accepted.unsqueeze(-1), final.unsqueeze(-1), tokens)
+    accept_probs = torch.where(greedy_rows.unsqueeze(-1), accepted.to(accept_prob.dtype), accept_prob)
+    return VerifyResult(num_accepted=num_accepted, tokens=tokens, accept_probs=accept_probs)
