@@ -1,0 +1,78 @@
+"""A tiny random-init draft/target pair for fast tests (the real embedded pair is much larger).
+
+Both models are `LlamaForCausalLM` in HF format sharing one byte-level BPE tokenizer with a chat
+template, so they load through the same code path as any real pair. Deterministic per seed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"]
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Numbers 0 1 2 3 4 5 6 7 8 9.",
+    "Tom has 12 apples and buys 7 more. How many apples? 12 + 7 = 19. #### 19",
+    "def add(a, b):\n    return a + b\n",
+    "Summary: the council approved a budget of 45 million on Monday. Ünïcödé ✓ 日本語",
+]
+
+
+def make_tokenizer(out_dir: Path, vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def _save_model(out_dir: Path, tokenizer, seed: int, hidden: int, layers: int, heads: int, kv_heads: int):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # sharper-than-default logits so p and q differ visibly
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def make_tiny_pair(root: Path, seed: int = 0) -> tuple[Path, Path]:
+    """Write `root/target` and `root/draft`; returns their paths."""
+    root = Path(root)
+    tok = make_tokenizer(root / "tokenizer")
+    target, draft = root / "target", root / "draft"
+    _save_model(target, tok, seed, hidden=64, layers=2, heads=4, kv_heads=2)
+    _save_model(draft, tok, seed + 1, hidden=32, layers=1, heads=2, kv_heads=1)
+    (root / "pair.json").write_text(json.dumps({"name": "tiny-pair", "seed": seed}))
+    return target, draft
