@@ -36,6 +36,7 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None  # same seed + same request -> same output, batched or alone
+    ignore_eos: bool = False  # keep going past EOS (benchmarks); explicit stop_token_ids still stop
 
 
 @dataclass(frozen=True)

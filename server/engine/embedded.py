@@ -1,0 +1,222 @@
+"""The embedded engine: a draft + target pair in this process behind `server.engine.protocol.Engine`.
+
+    engine = EmbeddedEngine(EmbeddedEngineConfig(target_path, draft_path, num_draft=5))
+    await engine.start()
+    async for chunk in engine.generate(request): ...
+
+Terms
+    pair        two HF-format checkpoints (Llama/Qwen2 family) that share one tokenizer; the
+                tokenizer and chat template are read from the target directory.
+    max_context prompt + completion tokens a request may use; requests that cannot fit are
+                rejected before the first chunk (EngineError 'invalid_request').
+    head        optional learned weight head, `head(h_draft [R,N,Hd], h_target [R,N,Ht], dial [R])
+                -> w [R,N]` in [0,1]; used by requests with `VerifyOptions.learned`.
+The model math runs on a scheduler thread (see `scheduler.py`); chunks cross to the caller's event
+loop through an `asyncio.Queue`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from server.engine.protocol import EngineError, EngineInfo, GenerationChunk, GenerationRequest
+from server.engine.row import _POLICY_KINDS, Row
+from server.engine.scheduler import Scheduler
+from server.engine.step import Models, WeightHead
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_pair_paths() -> tuple[Path, Path, str]:
+    """The shipped embedded pair (imported lazily: that module lands separately)."""
+    from training.embedded_pair import verify_pair
+
+    pair = verify_pair()
+    return Path(pair.target), Path(pair.draft), pair.name
+
+
+@dataclass
+class EmbeddedEngineConfig:
+    target_path: str | Path | None = None  # None = the shipped embedded pair
+    draft_path: str | Path | None = None
+    num_draft: int = 5  # default N
+    max_batch: int = 8
+    max_context: int = 2048
+    device: str = "cpu"
+    dtype: str | torch.dtype | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    served_name: str | None = None  # default: the target directory's name
+    head: WeightHead | None = None
+    max_num_draft: int = 8  # largest per-request N (cache slack is sized by it)
+    max_waiting: int = 256  # queue bound; beyond it requests get EngineError 'capacity'
+
+    def resolve(self) -> EmbeddedEngineConfig:
+        if self.target_path is None or self.draft_path is None:
+            target, draft, name = default_pair_paths()
+            self.target_path, self.draft_path = target, draft
+            self.served_name = self.served_name or name
+        self.target_path, self.draft_path = Path(self.target_path), Path(self.draft_path)
+        self.served_name = self.served_name or self.target_path.name
+        self.max_num_draft = max(self.max_num_draft, self.num_draft)
+        if isinstance(self.dtype, str):
+            self.dtype = _DTYPES[self.dtype]
+        if self.dtype is None:
+            self.dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return self
+
+
+class EmbeddedEngine:
+    def __init__(self, config: EmbeddedEngineConfig):
+        from transformers import AutoTokenizer
+
+        self.config = config.resolve()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(config.target_path))
+        cfg = json.loads((config.target_path / "config.json").read_text())
+        eos = cfg.get("eos_token_id")
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            eos_ids.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos_ids)
+        self.vocab_size = cfg["vocab_size"]
+        self.info = EngineInfo(
+            model=config.served_name,
+            max_context=config.max_context,
+            max_batch=config.max_batch,
+            num_draft=config.num_draft,
+            has_head=config.head is not None,
+            backend="embedded",
+        )
+        self.scheduler: Scheduler | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def load_models(self) -> Models:
+        from server.engine.llama import load_model
+
+        c = self.config
+        device = torch.device(c.device)
+        target = load_model(c.target_path, device, c.dtype)
+        draft = load_model(c.draft_path, device, c.dtype)
+        if target.args.vocab_size != draft.args.vocab_size:
+            raise ValueError(
+                f"pair vocabularies differ ({target.args.vocab_size} vs {draft.args.vocab_size})"
+            )
+        max_seq = c.max_context + c.max_num_draft + 2  # speculative writes run ahead of the text
+        return Models(
+            target=target,
+            draft=draft,
+            target_cache=target.new_cache(c.max_batch, max_seq),
+            draft_cache=draft.new_cache(c.max_batch, max_seq),
+            device=device,
+            head=c.head,
+        )
+
+    def start_sync(self) -> None:
+        if self.scheduler is None:
+            self.scheduler = Scheduler(self.load_models(), self.config.max_batch)
+            self.scheduler.start()
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.start_sync)
+
+    async def stop(self) -> None:
+        if self.scheduler is not None:
+            sched, self.scheduler = self.scheduler, None
+            await asyncio.to_thread(sched.stop, EngineError("engine stopped", "unavailable"))
+
+    def load(self) -> dict[str, int]:
+        return self.scheduler.load() if self.scheduler else {"running": 0, "waiting": 0}
+
+    # -- tokenization ----------------------------------------------------------------------
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    # -- generation ------------------------------------------------------------------------
+    def make_row(self, request: GenerationRequest, sink) -> Row:
+        """Validate `request` and build its row; raises EngineError on anything unservable."""
+        c, s, v = self.config, request.sampling, request.verify
+        prompt = request.prompt_token_ids
+        bad = None
+        if not prompt:
+            bad = "prompt is empty"
+        elif any(t < 0 or t >= self.vocab_size for t in prompt):
+            bad = f"prompt token ids must lie in [0, {self.vocab_size})"
+        elif s.max_tokens < 1:
+            bad = "max_tokens must be >= 1"
+        elif len(prompt) + s.max_tokens > c.max_context:
+            bad = (
+                f"prompt ({len(prompt)} tokens) + max_tokens ({s.max_tokens}) exceeds this engine's "
+                f"max_context of {c.max_context} tokens; shorten the prompt or lower max_tokens"
+            )
+        elif s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
+            bad = "need temperature >= 0, 0 < top_p <= 1, top_k >= 0"
+        elif not 0.0 <= v.weight <= 1.0:
+            bad = f"weight must lie in [0, 1], got {v.weight}"
+        elif v.policy not in _POLICY_KINDS:
+            bad = f"unknown policy {v.policy!r}"
+        elif v.learned and c.head is None:
+            bad = "learned weights requested but this engine has no weight head loaded"
+        elif v.num_draft is not None and not 1 <= v.num_draft <= c.max_num_draft:
+            bad = f"num_draft must lie in [1, {c.max_num_draft}]"
+        if bad:
+            raise EngineError(bad, "invalid_request")
+        n = 0 if v.mode == "autoregressive" else (v.num_draft or c.num_draft)
+        try:
+            return Row(request, sink, n, self.tokenizer, self.eos_ids)
+        except ValueError as exc:  # e.g. Policy parameter ranges
+            raise EngineError(str(exc), "invalid_request") from exc
+
+    def submit(self, request: GenerationRequest, sink) -> Row:
+        """Thread-safe enqueue (used by `generate` and by the synchronous benchmark)."""
+        sched = self.scheduler
+        if sched is None:
+            raise EngineError("engine is not started", "unavailable")
+        if sched.error is not None:
+            raise EngineError(f"engine failed: {sched.error!r}", "unavailable")
+        row = self.make_row(request, sink)
+        if sched.load()["waiting"] >= self.config.max_waiting:
+            raise EngineError("too many requests waiting; retry later", "capacity")
+        sched.submit(row)
+        return row
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(item) -> None:
+            # RuntimeError: the caller's loop is gone; its row is cancelled by `finally` below.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        row = self.submit(request, sink)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished and self.scheduler is not None:
+                self.scheduler.cancel(row)

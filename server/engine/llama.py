@@ -1,0 +1,227 @@
+"""A lean decoder for Llama / Qwen2-family checkpoints in HF format (gpt-fast style).
+
+Why our own model code: HF modules re-derive masks, positions and cache objects every call, which
+dominates a step on CPU for small models; here a forward is the bare layer math over a
+preallocated `KVCache`, with per-row start positions so ragged rows share one batched call.
+
+Terms
+    R       rows in this call (a subset of the cache's slots), T new positions per row.
+    starts  `[R]` per-row absolute position of the first new token (= the row's cache length).
+    hidden  final-norm last hidden states `[R, T, H]`: the LM-head inputs (what the learned
+            weight head reads).
+
+Supported: RMSNorm, RoPE (HF `rope_scaling`/`rope_parameters` types default and llama3), GQA,
+SwiGLU, q/k/v bias (Qwen2 or `attention_bias`), tied embeddings. Weights load from `*.safetensors`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from server.engine.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF dict: rope_type/type, factor, ... (None = default)
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+
+    @staticmethod
+    def from_hf_config(cfg: dict) -> ModelArgs:
+        if cfg.get("model_type") not in ("llama", "qwen2", "mistral", None):
+            raise ValueError(f"unsupported model_type {cfg.get('model_type')!r} (Llama/Qwen2 family only)")
+        heads = cfg["num_attention_heads"]
+        # transformers 5 moved rope settings into `rope_parameters`; 4.x used rope_theta + rope_scaling.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        return ModelArgs(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=rope or None,
+            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies `[D/2]` including HF's llama3 long-context rescaling when configured."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # [D/2]
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", None):
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_type {kind!r} (default, linear, llama3)")
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq  # [D/2]
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled).float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as HF does; the scale is applied in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Block(nn.Module):
+    """One decoder layer with fused q/k/v and gate/up projections (fewer, larger matmuls)."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.args, self.layer = args, layer
+        h, d = args.hidden_size, args.head_dim
+        self.q_size, self.kv_size = args.num_heads * d, args.num_kv_heads * d
+        self.wqkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.wo = nn.Linear(self.q_size, h, bias=False)
+        self.w13 = nn.Linear(h, 2 * args.intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.intermediate_size, h, bias=False)
+        self.attn_norm = RMSNorm(h, args.rms_norm_eps)
+        self.mlp_norm = RMSNorm(h, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache: KVCache, slots, positions, mask, seq_len, contiguous):
+        r, t, _ = x.shape  # x [R, T, H]
+        a = self.args
+        q, k, v = self.wqkv(self.attn_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(r, t, a.num_heads, a.head_dim).transpose(1, 2)  # [R, Hq, T, D]
+        k = k.view(r, t, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [R, Hkv, T, D]
+        v = v.view(r, t, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [R, Hkv, T, D]
+        q = q * cos + rotate_half(q) * sin  # cos/sin [R, 1, T, D]
+        k = k * cos + rotate_half(k) * sin
+        cache.write(self.layer, slots, positions, k, v)
+        keys, values = cache.read(self.layer, slots, seq_len, contiguous)  # [R, Hkv, S, D] each
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads
+        )  # [R, Hq, T, D]
+        x = x + self.wo(out.transpose(1, 2).reshape(r, t, self.q_size))
+        gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)  # [R, T, I] each
+        return x + self.w2(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)  # [D/2]
+
+    def forward(self, tokens: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, cache: KVCache):
+        """tokens `[R, T]`, slots `[R]`, starts `[R]` -> final-norm hidden `[R, T, H]`.
+
+        Writes the new keys/values at positions `starts + [0, T)` of each row's slot; each query
+        attends to its row's positions `<= its own`. Callers keep `starts + T <= cache max_seq`.
+        """
+        r, t = tokens.shape
+        positions = starts.view(-1, 1) + torch.arange(t, device=tokens.device)  # [R, T]
+        seq_len = int(starts.max()) + t
+        key_pos = torch.arange(seq_len, device=tokens.device)  # [S]
+        mask = (key_pos.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)  # [R, 1, T, S]
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [R, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [R, T, D]
+        x = self.embed(tokens)  # [R, T, H]
+        cos = emb.cos().to(x.dtype).unsqueeze(1)  # [R, 1, T, D]
+        sin = emb.sin().to(x.dtype).unsqueeze(1)  # [R, 1, T, D]
+        contiguous = bool((slots == torch.arange(r, device=slots.device)).all())
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, slots, positions, mask, seq_len, contiguous)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[..., H]` -> `[..., V]` (float32 for the sampling transforms)."""
+        return self.lm_head(hidden).float()
+
+    def new_cache(self, max_batch: int, max_seq: int) -> KVCache:
+        from server.engine.kv_cache import CacheShape
+
+        a = self.args
+        shape = CacheShape(a.num_layers, max_batch, a.num_kv_heads, max_seq, a.head_dim)
+        return KVCache(shape, self.embed.weight.dtype, self.embed.weight.device)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors under {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_model(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build a `Transformer` from an HF directory (config.json + safetensors), in eval mode."""
+    path = Path(path)
+    args = ModelArgs.from_hf_config(json.loads((path / "config.json").read_text()))
+    hf = _read_safetensors(path)
+    with torch.device("meta"):
+        model = Transformer(args)
+    pre = "model.layers"
+    state = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    state["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    for i in range(args.num_layers):
+        g = lambda name, i=i: hf[f"{pre}.{i}.{name}"]  # noqa: E731
+        qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+        state[f"layers.{i}.wqkv.weight"] = torch.cat([g(f"{n}.weight") for n in qkv])
+        if args.qkv_bias:
+            state[f"layers.{i}.wqkv.bias"] = torch.cat([g(f"{n}.bias") for n in qkv])
+        state[f"layers.{i}.wo.weight"] = g("self_attn.o_proj.weight")
+        state[f"layers.{i}.w13.weight"] = torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")])
+        state[f"layers.{i}.w2.weight"] = g("mlp.down_proj.weight")
+        state[f"layers.{i}.attn_norm.weight"] = g("input_layernorm.weight")
+        state[f"layers.{i}.mlp_norm.weight"] = g("post_attention_layernorm.weight")
+    state = {k: v.to(dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = rope_inv_freq(args)
+    return model.to(device).eval().requires_grad_(False)

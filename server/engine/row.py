@@ -1,0 +1,123 @@
+"""Per-request decoding state (one batch row) and how accepted tokens turn into stream chunks.
+
+Terms
+    seq     prompt + generated token ids so far.
+    tlen    target cache length: positions of `seq` whose keys/values the target holds. Always
+            `len(seq) - 1` between steps: the last token is the *pending* input of the next verify.
+    dlen    draft cache length; between steps `len(seq) - dlen` is 1, or 2 when every draft of the
+            last round was accepted (the draft never consumed its own last proposal).
+    num_draft  N for this row; 0 means autoregressive (target-only) decoding.
+    sink    callable receiving each `GenerationChunk`, or an `Exception` that ends the stream.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from server.engine.detokenize import IncrementalDetokenizer, StopStringFilter
+from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats
+from verifier import Policy, PolicyKind
+
+_POLICY_KINDS = {
+    "ensemble": PolicyKind.ENSEMBLE,
+    "lossy": PolicyKind.LOSSY,
+    "cascade": PolicyKind.CASCADE,
+    "typical": PolicyKind.TYPICAL,
+}
+
+
+@dataclass(eq=False)
+class Row:
+    request: GenerationRequest
+    sink: Callable[[object], None]
+    num_draft: int
+    tokenizer: object
+    eos_ids: frozenset[int]
+    slot: int = -1
+    seq: list[int] = field(default_factory=list)
+    tlen: int = 0
+    dlen: int = 0
+    completion: int = 0
+    cancelled: bool = False
+    done: bool = False
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def __post_init__(self):
+        s, v = self.request.sampling, self.request.verify
+        self.seq = list(self.request.prompt_token_ids)
+        self.prompt_len = len(self.seq)
+        self.greedy = s.temperature <= 0
+        # Greedy rows are verified on temperature-1 probabilities (argmax is taken over real p, q).
+        self.temperature = 1.0 if self.greedy else float(s.temperature)
+        self.top_k = 0 if self.greedy else int(s.top_k)
+        self.top_p = 1.0 if self.greedy else float(s.top_p)
+        self.weight = float(v.weight)
+        self.learned = bool(v.learned)
+        self.policy = Policy(kind=_POLICY_KINDS[v.policy], lenience=v.lenience, alpha=v.alpha)
+        self.stop_ids = frozenset(s.stop_token_ids) | (frozenset() if _ignore_eos(s) else self.eos_ids)
+        seed = s.seed if s.seed is not None else random.SystemRandom().getrandbits(63)
+        # Each row owns its random stream, so its draws do not depend on who shares the batch.
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self.detok = IncrementalDetokenizer(self.tokenizer, self.seq)
+        self.stopper = StopStringFilter(s.stop)
+        self.stats.accepted_per_position = [0] * self.num_draft
+
+    def uniforms(self, count: int) -> torch.Tensor:
+        """Next `count` uniforms `[count]` of this row's stream (drawn on CPU for determinism)."""
+        return torch.rand(count, generator=self.generator)
+
+    def record_round(self, num_accepted: int, weights: list[float]) -> None:
+        st = self.stats
+        st.verify_steps += 1
+        if self.num_draft:
+            st.drafts += 1
+            st.draft_tokens += self.num_draft
+            st.accepted_tokens += num_accepted
+            for i in range(num_accepted):
+                st.accepted_per_position[i] += 1
+            st.weight_sum += float(sum(weights))
+            st.weight_count += len(weights)
+
+    def emit_tokens(self, tokens: list[int]) -> None:
+        """Append accepted tokens in order, applying stop rules; sends one chunk to the sink."""
+        max_tokens = self.request.sampling.max_tokens
+        text, emitted, finish = [], [], None
+        for tok in tokens:
+            self.seq.append(tok)
+            self.completion += 1
+            emitted.append(tok)
+            if tok in self.stop_ids:
+                finish = "stop"
+                break
+            out, stopped = self.stopper.feed(self.detok.push(tok))
+            text.append(out)
+            if stopped:
+                finish = "stop"
+                break
+            if self.completion >= max_tokens:
+                finish = "length"
+                break
+        if finish == "length" or (finish == "stop" and emitted[-1] in self.stop_ids):
+            # Not ended by a stop string: release any held-back text (and incomplete bytes).
+            text.append(self.stopper.feed(self.detok.flush())[0])
+            text.append(self.stopper.flush())
+        self.send(GenerationChunk("".join(text), emitted, self.prompt_len, self.completion, finish))
+        if finish is not None:
+            self.done = True
+
+    def send(self, chunk: GenerationChunk) -> None:
+        chunk.stats = copy.deepcopy(self.stats)
+        self.sink(chunk)
+
+    def fail(self, exc: Exception) -> None:
+        self.done = True
+        self.sink(exc)
+
+
+def _ignore_eos(sampling) -> bool:
+    return bool(getattr(sampling, "ignore_eos", False))

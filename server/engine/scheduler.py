@@ -1,0 +1,128 @@
+"""Continuous batching: a thread that admits, prefills, steps and retires rows.
+
+Terms
+    waiting   submitted rows not yet holding a slot (FIFO); `load()['waiting']`.
+    running   rows holding a slot and decoding; `load()['running']`.
+    step      one pass of the loop: retire cancelled rows, admit waiting rows into free slots
+              (prefilling each alone), then one round per draft-length group (see `step.py`).
+              Rows join and leave only between steps, so a step's tensors never change shape.
+
+Grouping: rows with different N (including N = 0, autoregressive) run as separate rounds within
+the same step. Mixing them into one target forward would pad every autoregressive row to N+1
+positions; separate rounds cost one extra (cheap, small-batch) forward instead.
+
+Slots are handed out lowest-first so that a busy batch usually occupies `0..R-1` and the KV cache
+read is a view rather than a gather.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from server.engine.row import Row
+from server.engine.step import Models, StepTimers, prefill, run_round
+
+
+class Scheduler:
+    def __init__(self, models: Models, max_batch: int):
+        self.models = models
+        self.max_batch = max_batch
+        self.timers = StepTimers()
+        self._free = list(range(max_batch))
+        self._waiting: deque[Row] = deque()
+        self._running: list[Row] = []
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+
+    # -- thread-safe API -------------------------------------------------------------------
+    def submit(self, row: Row) -> None:
+        with self._cv:
+            self._waiting.append(row)
+            self._cv.notify()
+
+    def cancel(self, row: Row) -> None:
+        """Abort a row: dropped from the queue now, or its slot freed before the next step."""
+        with self._cv:
+            row.cancelled = True
+            if row in self._waiting:
+                self._waiting.remove(row)
+            self._cv.notify()
+
+    def load(self) -> dict[str, int]:
+        with self._cv:
+            return {"running": len(self._running), "waiting": len(self._waiting)}
+
+    def start(self) -> None:
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="dialspec-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, abort_error: Exception | None = None) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for row in [*self._running, *self._waiting]:
+            if not row.done and abort_error is not None:
+                row.fail(abort_error)
+        self._running.clear()
+        self._waiting.clear()
+        self._free = list(range(self.max_batch))
+
+    # -- scheduler thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._running and not self._waiting:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except BaseException as exc:  # a model failure must reach every caller, not kill silently
+                self.error = exc
+                for row in list(self._running):
+                    row.fail(exc)
+                    self._retire(row)
+                time.sleep(0.01)
+
+    def _retire(self, row: Row) -> None:
+        with self._cv:
+            if row in self._running:
+                self._running.remove(row)
+                self._free.append(row.slot)
+                self._free.sort()
+            row.slot = -1
+
+    def _admit(self) -> list[Row]:
+        new = []
+        with self._cv:
+            while self._waiting and self._free:
+                row = self._waiting.popleft()
+                row.slot = self._free.pop(0)
+                self._running.append(row)
+                new.append(row)
+        return new
+
+    def step(self) -> None:
+        """Retire finished/cancelled rows, admit and prefill new ones, run one round per group."""
+        for row in list(self._running):
+            if row.cancelled or row.done:
+                self._retire(row)
+        for row in self._admit():
+            prefill(self.models, row)
+        groups: dict[int, list[Row]] = {}
+        for row in self._running:
+            if not row.cancelled and not row.done:
+                groups.setdefault(row.num_draft, []).append(row)
+        for n, rows in sorted(groups.items()):
+            run_round(self.models, rows, n, self.timers)
+        for row in list(self._running):
+            if row.cancelled or row.done:
+                self._retire(row)
