@@ -1,26 +1,6 @@
 """Batched chain verification of N draft tokens against a target — the heart of dialspec.
 
-Terms (shapes on every tensor)
-    B               rows in the batch (requests), N draft length, V vocabulary size.
-    target_probs    `[B, N+1, V]` p: the target's distribution at each draft position and, at
-                    index N, after the last draft (for the bonus token).
-    draft_probs     `[B, N, V]`   q: the draft's distribution each draft token was sampled from.
-    draft_tokens    `[B, N]`      x_i ~ q_i, the proposed tokens.
-    weights         float, `[B]` or `[B, N]`: the ensemble weight w on the target (per row, or per
-                    token when a learned head predicts w_t). Verification is against
-                    `ν = w·p + (1−w)·q`; w = 1 is exact speculative decoding, w = 0 accepts every
-                    draft. Ignored by rows whose policy is not ENSEMBLE.
-    policy          optional `PolicyBatch` (per-row baseline policies); None = ensemble for all.
-    greedy          bool or `[B]` bool: temperature-0 rows accept while `x_i == argmax ν_i`, emit
-                    `argmax ν` at the first mismatch, and `argmax p_N` as the bonus.
-    uniforms        optional `[B, N+1]` in [0, 1): row b's coins for the N acceptance tests and
-                    the final draw. Pass per-request streams here for batch-invariant seeding;
-                    otherwise they are drawn from `generator`.
-
-Algorithm (sampling rows): accept x_i with probability `a_i` (policy-defined; for the ensemble
-`min(1, ν(x_i)/q(x_i))`) until the first rejection k; emit x_1..x_k, then one token from
-`norm(residual_k)` (`norm(max(0, p_k − q_k))` for the ensemble; p_k when that mass is ~0), or from
-`p_N` if all N were accepted. Each emitted position is then distributed exactly as ν.
+See `verify` for terms, shapes and the algorithm.
 """
 
 from __future__ import annotations
@@ -95,10 +75,34 @@ def verify(
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
 ) -> VerifyResult:
-    """Verify a batch of draft chains; see the module docstring for every term and shape.
+    """Verify a batch of draft chains against the ensemble ν = w·p + (1−w)·q (or a baseline policy).
 
-    Returns `VerifyResult(num_accepted [B], tokens [B, N+1] padded with -1, accept_probs [B, N])`.
-    Raises ValueError naming the offending argument on bad shapes, tokens or weights.
+    Terms (shapes on every tensor)
+        B               rows in the batch (requests), N draft length, V vocabulary size.
+        target_probs    `[B, N+1, V]` p: the target's distribution at each draft position and, at
+                        index N, after the last draft (for the bonus token).
+        draft_probs     `[B, N, V]`   q: the draft's distribution each draft token was sampled from.
+        draft_tokens    `[B, N]`      x_i ~ q_i, the proposed tokens.
+        weights         float, `[B]` or `[B, N]`: the ensemble weight w on the target (per row, or per
+                        token when a learned head predicts w_t). Verification is against
+                        `ν = w·p + (1−w)·q`; w = 1 is exact speculative decoding, w = 0 accepts every
+                        draft. Ignored by rows whose policy is not ENSEMBLE.
+        policy          optional `PolicyBatch` (per-row baseline policies); None = ensemble for all.
+        greedy          bool or `[B]` bool: temperature-0 rows accept while `x_i == argmax ν_i`, emit
+                        `argmax ν` at the first mismatch, and `argmax p_N` as the bonus.
+        uniforms        optional `[B, N+1]` in [0, 1): row b's coins for the N acceptance tests and
+                        the final draw. Pass per-request streams here for batch-invariant seeding;
+                        otherwise they are drawn from `generator`.
+
+    Algorithm (sampling rows): accept x_i with probability `a_i` (policy-defined; for the ensemble
+    `min(1, ν(x_i)/q(x_i))`) until the first rejection k; emit x_1..x_k, then one token from
+    `norm(residual_k)` (`norm(max(0, p_k − q_k))` for the ensemble; p_k when that mass is ~0), or from
+    `p_N` if all N were accepted. Each emitted position is then distributed exactly as ν.
+
+    Returns `VerifyResult`: `num_accepted` `[B]` (accepted drafts, in [0, N]), `tokens` `[B, N+1]`
+    (accepted drafts, then the one correction or bonus token, then PAD_TOKEN = -1) and
+    `accept_probs` `[B, N]` (acceptance probability per position; 0/1 on greedy rows — for metrics
+    and training). Raises ValueError naming the offending argument on bad shapes, tokens or weights.
     """
     w, greedy_rows = _check_inputs(target_probs, draft_probs, draft_tokens, weights, greedy, uniforms)
     if policy is not None and policy.batch_size != draft_probs.shape[0]:
