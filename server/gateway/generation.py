@@ -1,0 +1,209 @@
+"""Running one HTTP request's sequences on the engine: merging choices, accounting, disconnects.
+
+Terms:
+    choice     one generated sequence; a request has n choices per prompt, indexed as OpenAI does
+               (prompt k, sample j -> index k*n + j).
+    arrival    monotonic time the request reached the handler (TTFT and e2e start here).
+    abort      a sequence cut short because the client went away or the server is shutting down;
+               closing the engine's iterator frees its batch row (protocol.py, "Cancellation").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from server.engine.protocol import Engine, GenerationChunk, GenerationRequest, SpecStats
+from server.gateway.dial import Dial
+from server.gateway.metrics import GatewayMetrics
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was complete."""
+
+
+class MultiStream:
+    """Runs one engine stream per choice concurrently and yields `(choice_index, chunk)` in arrival
+    order. `aclose()` cancels every stream still running and closes its engine iterator."""
+
+    def __init__(self, engine: Engine, requests: list[GenerationRequest]):
+        self._engine = engine
+        self._requests = requests
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._remaining = 0  # choices whose engine stream has not ended yet
+
+    def start(self) -> MultiStream:
+        self._tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(self._requests)]
+        self._remaining = len(self._tasks)
+        return self
+
+    async def _pump(self, index: int, request: GenerationRequest) -> None:
+        iterator = self._engine.generate(request)
+        try:
+            async for chunk in iterator:
+                self._queue.put_nowait((index, chunk))
+            self._queue.put_nowait((index, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # EngineError or a bug: surfaced to the consumer, not lost in a task
+            self._queue.put_nowait((index, exc))
+        finally:
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def next_event(self) -> tuple[int, GenerationChunk] | None:
+        """The next chunk of any choice, or None once every choice has finished."""
+        while self._remaining:
+            index, item = await self._queue.get()
+            if item is None:
+                self._remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                return index, item
+        return None
+
+    async def events(self) -> AsyncIterator[tuple[int, GenerationChunk]]:
+        while (event := await self.next_event()) is not None:
+            yield event
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+@dataclass
+class Tracker:
+    """Collects one request's output and timings, and records its metrics exactly once."""
+
+    metrics: GatewayMetrics
+    dial: Dial
+    num_choices: int
+    prompt_tokens: int  # usage: each distinct prompt counted once, as OpenAI does
+    arrival: float = field(default_factory=time.monotonic)
+    texts: list[list[str]] = field(init=False)
+    finish: list[str | None] = field(init=False)
+    completion_tokens: list[int] = field(init=False)
+    stats: list[SpecStats | None] = field(init=False)
+    _last: list[float | None] = field(init=False)
+    failed: bool = False  # answered with an error before any output: not a finished sequence
+    _first_at: float | None = None
+    _closed: bool = False
+
+    def __post_init__(self):
+        n = self.num_choices
+        self.texts = [[] for _ in range(n)]
+        self.finish = [None] * n
+        self.completion_tokens = [0] * n
+        self.stats = [None] * n
+        self._last = [None] * n
+
+    def on_chunk(self, index: int, chunk: GenerationChunk) -> None:
+        now = time.monotonic()
+        tier = self.dial.tier
+        if chunk.text or chunk.token_ids:
+            if self._first_at is None:
+                self._first_at = now
+                self.metrics.ttft.labels(tier=tier).observe(now - self.arrival)
+            last = self._last[index]
+            if last is not None:
+                self.metrics.itl.labels(tier=tier).observe(now - last)
+            self._last[index] = now
+        if chunk.text:
+            self.texts[index].append(chunk.text)
+        self.completion_tokens[index] = chunk.completion_tokens
+        if chunk.finish_reason is not None:
+            self.finish[index] = chunk.finish_reason
+            self.stats[index] = chunk.stats
+            self.metrics.record_sequence(tier, chunk.stats, chunk.completion_tokens, chunk.finish_reason)
+
+    def text(self, index: int) -> str:
+        return "".join(self.texts[index])
+
+    @property
+    def done(self) -> bool:
+        return all(f is not None for f in self.finish)
+
+    def close(self) -> None:
+        """Called once at the end, however it ended: unfinished choices count as aborted."""
+        if self._closed or self.failed:
+            return
+        self._closed = True
+        for i, finish in enumerate(self.finish):
+            if finish is None:
+                self.metrics.success.labels(finish_reason="abort").inc()
+                self.finish[i] = "abort"
+        self.metrics.e2e.labels(tier=self.dial.tier).observe(time.monotonic() - self.arrival)
+        self.metrics.prompt_tokens_total.inc(self.prompt_tokens)
+        self.metrics.prompt_tokens.observe(self.prompt_tokens)
+
+    def usage(self) -> dict:
+        completion = sum(self.completion_tokens)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
+
+    def dialspec(self) -> dict:
+        """The `dialspec` response extension: speculative counters summed over choices."""
+        s = SpecStats()
+        for st in self.stats:
+            if st is None:
+                continue
+            s.drafts += st.drafts
+            s.draft_tokens += st.draft_tokens
+            s.accepted_tokens += st.accepted_tokens
+            s.weight_sum += st.weight_sum
+            s.weight_count += st.weight_count
+            s.verify_steps += st.verify_steps
+        mean_w = s.mean_weight
+        verify = self.dial.verify
+        if mean_w is None and s.drafts and verify.policy == "ensemble" and not verify.learned:
+            mean_w = verify.weight  # engine did not report per-position weights: the static w applies
+        return {
+            "policy": self.dial.policy,
+            "tier": self.dial.tier,
+            "quality": self.dial.quality,
+            "mean_w": mean_w,
+            "drafts": s.drafts,
+            "draft_tokens": s.draft_tokens,
+            "accepted_tokens": s.accepted_tokens,
+            "acceptance_rate": s.acceptance_rate,
+            "mean_accepted_length": s.mean_accepted_length,
+            "verify_steps": s.verify_steps,
+        }
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # Once the body has been read, the server's receive() blocks until the client disconnects.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.01)  # a stray message (pipelining): don't spin
+
+
+async def until_disconnect(request: Request, work: Awaitable):
+    """Await `work`, cancelling it (and so closing engine iterators) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

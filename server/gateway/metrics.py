@@ -1,0 +1,142 @@
+"""Prometheus metrics (vLLM-style names under `dialspec:`), one CollectorRegistry per app.
+
+Labels stay low-cardinality: `tier` is a tier name, "custom" (numeric quality), "auto" or
+"autoregressive"; the applied w goes to a histogram, never to a label.
+
+Speculative counters (vLLM semantics; a "draft" is one proposal round):
+    dialspec:spec_decode_num_drafts_total{tier}
+    dialspec:spec_decode_num_draft_tokens_total{tier}
+    dialspec:spec_decode_num_accepted_tokens_total{tier}
+    dialspec:spec_decode_num_accepted_tokens_per_pos_total{position}
+
+Useful PromQL:
+    acceptance rate (accepted / proposed draft tokens), per tier:
+        sum by (tier) (rate(dialspec:spec_decode_num_accepted_tokens_total[5m]))
+      / sum by (tier) (rate(dialspec:spec_decode_num_draft_tokens_total[5m]))
+    mean accepted length (tokens emitted per target forward):
+        1 + sum by (tier) (rate(dialspec:spec_decode_num_accepted_tokens_total[5m]))
+          / sum by (tier) (rate(dialspec:spec_decode_num_drafts_total[5m]))
+    acceptance at draft position i (conditional on reaching it, vLLM style):
+        rate(dialspec:spec_decode_num_accepted_tokens_per_pos_total{position="i"}[5m])
+      / sum(rate(dialspec:spec_decode_num_drafts_total[5m]))
+    p99 time to first token:
+        histogram_quantile(0.99, sum by (le) (rate(dialspec:time_to_first_token_seconds_bucket[5m])))
+
+Latency definitions: TTFT runs from request arrival (queueing included) to the first generated
+text; inter-token latency is the gap between successive output chunks of one sequence (one chunk per
+verify round, which may carry several tokens: vLLM records it per engine step the same way);
+e2e from arrival to the last chunk.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from server.engine.protocol import SpecStats
+
+# `*_created` series double the page and no dashboard reads them (vLLM disables them too).
+disable_created_metrics()
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+_W_BUCKETS = tuple(round(0.1 * i, 1) for i in range(11))  # 0.0 .. 1.0
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class GatewayMetrics:
+    """All metrics of one gateway app. `registry` is private to the app (tests build many apps)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        p = "dialspec:"
+        self.num_drafts = Counter(
+            p + "spec_decode_num_drafts", "Speculative proposal rounds.", ["tier"], registry=r
+        )
+        self.num_draft_tokens = Counter(
+            p + "spec_decode_num_draft_tokens", "Draft tokens proposed.", ["tier"], registry=r
+        )
+        self.num_accepted_tokens = Counter(
+            p + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", ["tier"], registry=r
+        )
+        self.accepted_per_pos = Counter(
+            p + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0-based).",
+            ["position"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "Arrival to first output text, seconds.",
+            ["tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds",
+            "Gap between successive output chunks of a sequence, seconds.",
+            ["tier"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds",
+            "Arrival to completion, seconds.",
+            ["tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.weight = Histogram(
+            p + "ensemble_weight",
+            "Mean ensemble weight w applied per sequence.",
+            buckets=_W_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Histogram(
+            p + "request_prompt_tokens", "Prompt length per request.", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.generation_tokens = Counter(
+            p + "generation_tokens", "Completion tokens generated.", ["tier"], registry=r
+        )
+        self.prompt_tokens_total = Counter(p + "prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.success = Counter(
+            p + "request_success", "Finished sequences by finish reason.", ["finish_reason"], registry=r
+        )
+        self.errors = Counter(
+            p + "request_errors", "Requests answered with an error, by status.", ["status"], registry=r
+        )
+        self.running = Gauge(p + "num_requests_running", "Requests admitted and generating.", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued for admission.", registry=r)
+
+    def bind_load(self, admission) -> None:
+        """Gauges read the admission controller at scrape time (never stale)."""
+        self.running.set_function(lambda: admission.running_requests)
+        self.waiting.set_function(lambda: admission.waiting_requests)
+
+    def record_sequence(
+        self, tier: str, stats: SpecStats | None, completion_tokens: int, finish: str
+    ) -> None:
+        """One finished sequence (one choice)."""
+        self.success.labels(finish_reason=finish).inc()
+        self.generation_tokens.labels(tier=tier).inc(completion_tokens)
+        if stats is None:
+            return
+        if stats.drafts:
+            self.num_drafts.labels(tier=tier).inc(stats.drafts)
+            self.num_draft_tokens.labels(tier=tier).inc(stats.draft_tokens)
+            self.num_accepted_tokens.labels(tier=tier).inc(stats.accepted_tokens)
+        for pos, count in enumerate(stats.accepted_per_position):
+            if count:
+                self.accepted_per_pos.labels(position=str(pos)).inc(count)
+        if stats.mean_weight is not None:
+            self.weight.observe(stats.mean_weight)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

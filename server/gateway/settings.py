@@ -1,0 +1,105 @@
+"""Gateway settings (pydantic-settings): environment variables `DIALSPEC_<FIELD>` or a config file.
+
+Precedence, highest first: explicit keyword arguments (the CLI), environment variables, the config
+file named by `DIALSPEC_CONFIG` or `load_settings(config_file=...)` (`.toml` or `.json`), defaults.
+
+Terms:
+    tier      a named quality level, mapped to a number in [0, 1] by `tiers`.
+    quality   the dial input: 1 = lossless (exactly the target model), 0 = the draft model.
+    running   requests admitted and generating; `max_running` bounds them (None = engine max_batch).
+    waiting   requests queued for a running slot; beyond `max_waiting` the gateway answers 429.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    JsonConfigSettingsSource,
+    NoDecode,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+DEFAULT_TIERS = {"lite": 0.25, "standard": 0.5, "pro": 0.75, "exact": 1.0}
+
+# Set only for the duration of one `load_settings` call; the env var is the other way in.
+_config_file: Path | None = None
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DIALSPEC_", extra="ignore")
+
+    # The dial (see dial.py for how these become VerifyOptions).
+    tiers: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_TIERS))
+    default_quality: str | float = "exact"  # lossless unless the client turns the dial
+    dial_gamma: float = Field(1.0, gt=0)  # w = quality ** gamma; 1 keeps w = quality
+    auto_weight: float = Field(0.5, ge=0, le=1)  # dial input handed to the learned head for "auto"
+    lossy_min_lenience: float = Field(0.05, gt=0, le=1)  # lossy: lenience = max(quality, this)
+    cascade_alpha_max: float = Field(1.0, ge=0)  # cascade: alpha = (1 - quality) * this
+
+    # Admission control.
+    max_running: int | None = Field(None, ge=1)
+    max_waiting: int = Field(32, ge=0)
+    retry_after_s: int = Field(1, ge=0)
+
+    # Request limits.
+    max_body_bytes: int = Field(1_000_000, ge=1024)
+    max_n: int = Field(4, ge=1)  # choices per request (n x prompts)
+    default_max_tokens: int = Field(256, ge=1)  # when the client sends none (capped by context)
+    max_num_draft: int = Field(16, ge=1)  # upper bound for the per-request `num_draft` extension
+
+    # Security and operations.
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)  # empty = no auth
+    log_content: bool = False  # prompts/completions never reach logs unless this is set
+    drain_timeout_s: float = Field(30.0, ge=0)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value):
+        """`DIALSPEC_API_KEYS=k1,k2` (commas) or a JSON list from a config file."""
+        if isinstance(value, str):
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @field_validator("tiers")
+    @classmethod
+    def _check_tiers(cls, tiers: dict[str, float]):
+        for name, q in tiers.items():
+            if not 0.0 <= q <= 1.0:
+                raise ValueError(f"tier {name!r} has quality {q}, expected a number in [0, 1]")
+            if ":" in name or name in ("auto", "custom"):
+                raise ValueError(f"tier name {name!r} is reserved or contains ':'")
+        return tiers
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, **_):
+        path = _config_file or (
+            Path(os.environ["DIALSPEC_CONFIG"]) if os.environ.get("DIALSPEC_CONFIG") else None
+        )
+        sources = [init_settings, env_settings]
+        if path is not None:
+            if path.suffix == ".toml":
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+            else:
+                sources.append(JsonConfigSettingsSource(settings_cls, json_file=path))
+        return tuple(sources)
+
+
+def load_settings(config_file: str | Path | None = None, **overrides) -> GatewaySettings:
+    """Build settings; raises FileNotFoundError for a named config file that does not exist."""
+    global _config_file
+    path = Path(config_file) if config_file else None
+    if path is None and os.environ.get("DIALSPEC_CONFIG"):
+        path = Path(os.environ["DIALSPEC_CONFIG"])
+    if path is not None and not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    _config_file = path
+    try:
+        return GatewaySettings(**{k: v for k, v in overrides.items() if v is not None})
+    finally:
+        _config_file = None

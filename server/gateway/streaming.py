@@ -1,0 +1,111 @@
+"""Server-sent events in the exact OpenAI chunk format.
+
+Chat: `chat.completion.chunk` objects; each choice's first delta carries `role: "assistant"`, text
+deltas carry `content`, and the choice ends with an empty delta and its `finish_reason`.
+Completions: `text_completion` objects with `text`. The stream ends with `data: [DONE]`.
+
+With `stream_options.include_usage`, every chunk carries `"usage": null` and one final chunk with
+`"choices": []` carries usage and the `dialspec` stats; without it, `dialspec` rides on the last chunk
+that has choices. An error after the stream started is sent as `data: {"error": {...}}` (the
+`openai` client raises it) followed by `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from sse_starlette import EventSourceResponse
+
+from server.engine.protocol import EngineError
+from server.gateway.errors import APIError, from_engine_error
+from server.gateway.generation import MultiStream, Tracker
+
+log = logging.getLogger("dialspec.gateway")
+
+
+def _dump(obj: dict) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+class ChunkFormatter:
+    """Builds the JSON payload of each SSE event for one request."""
+
+    def __init__(self, kind: str, request_id: str, created: int, model: str, include_usage: bool):
+        self.kind = kind  # "chat" or "completion"
+        self.base = {
+            "id": request_id,
+            "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": created,
+            "model": model,
+        }
+        self.include_usage = include_usage
+
+    def choice(self, index: int, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if self.kind == "chat":
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            body: dict = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            body = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        payload = {**self.base, "choices": [body]}
+        if self.include_usage:
+            payload["usage"] = None
+        return payload
+
+    def usage_chunk(self, usage: dict, dialspec: dict) -> dict:
+        return {**self.base, "choices": [], "usage": usage, "dialspec": dialspec}
+
+
+async def sse_events(
+    run: MultiStream, tracker: Tracker, fmt: ChunkFormatter, first: tuple | None
+) -> AsyncIterator[dict]:
+    """SSE events for a started MultiStream; `first` is the event already taken off it (to turn an
+    engine error before any output into a proper HTTP status)."""
+    started = [False] * tracker.num_choices
+    try:
+        event = first
+        while event is not None:
+            index, chunk = event
+            tracker.on_chunk(index, chunk)
+            if fmt.kind == "chat" and not started[index]:
+                started[index] = True
+                yield {"data": _dump(fmt.choice(index, chunk.text, None, role=True))}
+            elif chunk.text:
+                yield {"data": _dump(fmt.choice(index, chunk.text, None))}
+            if chunk.finish_reason is not None:
+                payload = fmt.choice(index, None if fmt.kind == "chat" else "", chunk.finish_reason)
+                if fmt.kind == "chat":
+                    payload["choices"][0]["delta"] = {}
+                if tracker.done and not fmt.include_usage:
+                    payload["dialspec"] = tracker.dialspec()
+                yield {"data": _dump(payload)}
+            event = await run.next_event()
+        if fmt.include_usage:
+            yield {"data": _dump(fmt.usage_chunk(tracker.usage(), tracker.dialspec()))}
+    except EngineError as exc:
+        yield {"data": _dump(from_engine_error(exc).body())}
+    except Exception as exc:  # never leave the client hanging without [DONE]
+        log.exception("stream failed: %s", type(exc).__name__)
+        yield {"data": _dump(APIError(500, "internal error while streaming").body())}
+    yield {"data": "[DONE]"}
+
+
+class ClosingEventSourceResponse(EventSourceResponse):
+    """An EventSourceResponse that always runs `on_close` once the response is over, however it
+    ends (finished, client disconnected, cancelled before the body generator ever started), so the
+    admission slot and the engine rows are always given back."""
+
+    def __init__(self, content, on_close: Callable[[], Awaitable[None]], **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
