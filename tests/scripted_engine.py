@@ -157,29 +157,37 @@ class ScriptedEngine:
                 self.cancelled.append(request.request_id)
 
 
+class LiveServer:
+    """A uvicorn server on a random free loopback port, in a thread. `url` is the base URL."""
+
+    def __init__(self, app, startup_timeout: float = 120.0):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))  # bound here and handed over: no race for the port
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + startup_timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("live server failed to start")
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask uvicorn to exit (graceful: in-flight requests drain, then the lifespan stops the engine)."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+
 @contextlib.contextmanager
 def live_server(app, startup_timeout: float = 120.0):
-    """Serve `app` with uvicorn on a random free loopback port in a thread; yields the base URL.
-
-    The socket is bound here (port 0) and handed to uvicorn, so there is no race for the port.
-    Leaving the block asks uvicorn to exit (lifespan shutdown drains and stops the engine)."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + startup_timeout
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("live server failed to start")
-        time.sleep(0.02)
+    """`with live_server(app) as srv:` -> LiveServer, stopped on exit."""
+    srv = LiveServer(app, startup_timeout)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield srv
     finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+        srv.stop()

@@ -1,0 +1,217 @@
+"""Input validation: a table of bad requests -> the right 4xx with an OpenAI error object, and a
+server that is still healthy afterwards; plus the dial mapping and settings sources as units."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from server.engine.protocol import EngineInfo
+from server.gateway import dial
+from server.gateway.app import create_app
+from server.gateway.errors import APIError
+from server.gateway.settings import GatewaySettings, load_settings
+from tests.scripted_engine import ScriptedEngine, live_server
+
+MODEL = "scripted-pair"
+MSG = [{"role": "user", "content": "hi"}]
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+
+
+def chat(**kw):
+    return {"model": MODEL, "messages": MSG, "max_tokens": 4, **kw}
+
+
+# (name, path, json body or raw bytes, status, param or None)
+BAD = [
+    ("not json", CHAT, b"{nope", 400, None),
+    ("body not an object", CHAT, b"[1, 2]", 400, None),
+    ("missing model", CHAT, {"messages": MSG}, 400, "model"),
+    ("missing messages", CHAT, {"model": MODEL}, 400, "messages"),
+    ("empty messages", CHAT, chat(messages=[]), 400, "messages"),
+    ("bad role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role"),
+    ("tool role", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages.0.role"),
+    ("image part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, None),
+    ("unknown model", CHAT, chat(model="gpt-4o"), 404, "model"),
+    ("unknown tier in model", CHAT, chat(model=f"{MODEL}:ultra"), 404, "model"),
+    ("temperature type", CHAT, chat(temperature="hot"), 400, "temperature"),
+    ("temperature range", CHAT, chat(temperature=3), 400, "temperature"),
+    ("top_p zero", CHAT, chat(top_p=0), 400, "top_p"),
+    ("max_tokens zero", CHAT, chat(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens float", CHAT, chat(max_tokens=2.5), 400, "max_tokens"),
+    ("max_tokens over context", CHAT, chat(max_tokens=10_000), 400, "max_tokens"),
+    (
+        "max_completion_tokens over context",
+        CHAT,
+        chat(max_completion_tokens=10_000),
+        400,
+        "max_completion_tokens",
+    ),
+    ("prompt over context", COMP, {"model": MODEL, "prompt": "x" * 600}, 400, "prompt"),
+    ("n too large", CHAT, chat(n=5), 400, "n"),
+    ("n zero", CHAT, chat(n=0), 400, "n"),
+    ("five stops", CHAT, chat(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    ("empty stop", CHAT, chat(stop=[""]), 400, "stop"),
+    ("stream not bool", CHAT, chat(stream="yes"), 400, "stream"),
+    ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), 400, None),
+    ("quality above 1", CHAT, chat(quality=1.5), 400, "quality"),
+    ("quality negative", CHAT, chat(quality=-0.1), 400, "quality"),
+    ("quality bool", CHAT, chat(quality=True), 400, "quality"),
+    ("quality unknown tier", CHAT, chat(quality="ultra"), 400, "quality"),
+    ("quality auto without head", CHAT, chat(quality="auto"), 400, "quality"),
+    ("unknown verifier", CHAT, chat(verifier="magic"), 400, "verifier"),
+    ("unknown mode", CHAT, chat(mode="turbo"), 400, "mode"),
+    ("num_draft too big", CHAT, chat(num_draft=17), 400, "num_draft"),
+    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("logprobs", CHAT, chat(logprobs=True), 400, "logprobs"),
+    ("response_format json", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("presence_penalty", CHAT, chat(presence_penalty=0.5), 400, "presence_penalty"),
+    ("logit_bias", CHAT, chat(logit_bias={"1": 5}), 400, "logit_bias"),
+    ("echo", COMP, {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+    ("suffix", COMP, {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("empty prompt list", COMP, {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("empty prompt", COMP, {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("negative token id", COMP, {"model": MODEL, "prompt": [1, -2]}, 400, "prompt"),
+    ("user too long", CHAT, chat(user="u" * 300), 400, "user"),
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    app = create_app(ScriptedEngine(max_context=512), GatewaySettings(max_body_bytes=64 * 1024))
+    with live_server(app) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_openai_error(server, name, path, body, status, param):
+    if isinstance(body, bytes):
+        r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(server.url + path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_allowed_neutral_values_are_accepted(server):
+    body = chat(logprobs=False, presence_penalty=0, tools=[], response_format={"type": "text"}, store=False)
+    assert httpx.post(server.url + CHAT, json=body).status_code == 200
+
+
+def test_body_too_large_413(server):
+    big = {"model": MODEL, "prompt": "x" * 70_000}
+    r = httpx.post(server.url + COMP, json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # chunked upload, no Content-Length: counted while reading
+        yield b'{"model": "scripted-pair", "prompt": "'
+        for _ in range(80):
+            yield b"x" * 1000
+        yield b'"}'
+
+    r = httpx.post(server.url + COMP, content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_unknown_route_and_method(server):
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(server.url + CHAT)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_server_healthy_after_bad_inputs(server):
+    # runs after the table (file order): the server still serves normal requests
+    assert httpx.get(server.url + "/ready").status_code == 200
+    r = httpx.post(server.url + CHAT, json=chat())
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'dialspec:request_errors_total{status="400"}' in metrics
+
+
+# ---- the dial as a unit -----------------------------------------------------------------------
+
+INFO = EngineInfo(model="m", max_context=64, max_batch=2, num_draft=4, has_head=False, backend="x")
+INFO_HEAD = EngineInfo(model="m", max_context=64, max_batch=2, num_draft=4, has_head=True, backend="x")
+
+
+def resolve(quality=None, **kw):
+    args = {
+        "model_tier": None,
+        "verifier": None,
+        "mode": None,
+        "num_draft": None,
+        "settings": GatewaySettings(),
+    }
+    args.update(kw)
+    return dial.resolve(quality, info=kw.pop("info", INFO), **{k: v for k, v in args.items() if k != "info"})
+
+
+def test_dial_linear_default_and_tiers():
+    for q in (0.0, 0.3, 1.0):
+        d = resolve(q)
+        assert d.verify.weight == pytest.approx(q) and d.tier == "custom" and d.verify.policy == "ensemble"
+    assert resolve("lite").verify.weight == 0.25 and resolve("exact").verify.weight == 1.0
+    assert resolve().tier == "exact" and resolve().verify.weight == 1.0  # lossless by default
+    assert resolve(model_tier="pro").verify.weight == 0.75
+    assert resolve(0.1, model_tier="pro").verify.weight == pytest.approx(0.1)  # body beats model name
+
+
+def test_dial_configurable_mapping_and_baselines():
+    s = GatewaySettings(dial_gamma=2.0, tiers={"fast": 0.5})
+    assert resolve("fast", settings=s).verify.weight == pytest.approx(0.25)
+    assert resolve(0.3, verifier="lossy").verify.lenience == pytest.approx(0.3)
+    assert resolve(0.0, verifier="lossy").verify.lenience == pytest.approx(0.05)  # lenience must stay > 0
+    assert resolve(0.25, verifier="cascade").verify.alpha == pytest.approx(0.75)
+    assert resolve(0.5, verifier="typical").verify.policy == "typical"
+    ar = resolve(0.5, mode="autoregressive")
+    assert ar.verify.mode == "autoregressive" and ar.tier == "autoregressive"
+    assert resolve(0.5, num_draft=3).verify.num_draft == 3
+
+
+def test_dial_auto_needs_head():
+    with pytest.raises(APIError) as e:
+        resolve("auto")
+    assert e.value.status == 400 and e.value.param == "quality"
+    d = dial.resolve("auto", model_tier=None, verifier=None, mode=None, num_draft=None,
+                     settings=GatewaySettings(), info=INFO_HEAD)  # fmt: skip
+    assert d.verify.learned and d.tier == "auto"
+
+
+def test_model_names_roundtrip():
+    s = GatewaySettings()
+    for name in dial.model_names("m", s):
+        tier = dial.split_model_name(name, "m", s)
+        assert tier is None or tier in s.tiers
+    with pytest.raises(LookupError):
+        dial.split_model_name("m:nope", "m", s)
+
+
+# ---- settings sources --------------------------------------------------------------------------
+
+
+def test_settings_env_file_and_precedence(tmp_path, monkeypatch):
+    cfg = tmp_path / "gw.json"
+    cfg.write_text(
+        json.dumps({"tiers": {"eco": 0.1, "exact": 1.0}, "max_waiting": 3, "default_quality": "eco"})
+    )
+    monkeypatch.setenv("DIALSPEC_MAX_WAITING", "7")
+    monkeypatch.setenv("DIALSPEC_API_KEYS", "a, b")
+    s = load_settings(cfg)
+    assert s.tiers == {"eco": 0.1, "exact": 1.0} and s.default_quality == "eco"
+    assert s.max_waiting == 7  # env beats file
+    assert s.api_keys == ["a", "b"]
+    assert load_settings(cfg, max_waiting=9).max_waiting == 9  # CLI beats env
+    toml = tmp_path / "gw.toml"
+    toml.write_text("max_n = 2\n[tiers]\nfast = 0.3\n")
+    assert load_settings(toml).tiers == {"fast": 0.3}
+    with pytest.raises(FileNotFoundError):
+        load_settings(tmp_path / "missing.toml")
+    with pytest.raises(ValueError):
+        GatewaySettings(tiers={"bad": 2.0})
