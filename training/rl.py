@@ -1,0 +1,181 @@
+"""REINFORCE++ training of the dial-conditioned weight head (DESIGN.md section 1).
+
+Terms
+    policy      speculative decoding with the ensemble verifier and head weights w_t emits exactly
+                `ν_t = w_t·p_t + (1 − w_t)·q_t` at each position, so a rollout y has log-likelihood
+                `Σ_t log ν_t(y_t)` — differentiable in the head's parameters only (the pair is frozen;
+                its per-position quantities come from `rollout.teacher_force`).
+    dial d      sampled per rollout from `TrainConfig.dials`; the head sees it as an input and the
+                reward's acceptance weight depends on it: `λ(d) = λ_min + (λ_max − λ_min)·(1 − d)`,
+                so a low dial buys acceptance and a high dial buys task score.
+    reward      `r = score(y) + λ(d)·acc(y)` with `acc(y) = mean_t(1 − w_t·TV(p_t, q_t))` (λ > 0:
+                more acceptance is better).
+    objective   `J = E[score] + E[λ(d)·acc]` — the "regularised objective". Its gradient has a
+                score-function part (REINFORCE on r, with PPO-style clipping) and, because acc is
+                an explicit function of w, a pathwise part `λ(d)·∇acc` added directly.
+    REINFORCE++ advantages `A = (r − mean r)/std r` over the global batch, broadcast to tokens;
+                clipped ratio `min(ρA, clip(ρ, 1±ε)A)` with `ρ = exp(log ν_θ − log ν_old)`, and a
+                token-level KL penalty `β·KL(ν_θ ‖ ν_ref)` (k3 estimator) to the initial head.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from training.rollout import Forced, expected_acceptance, nu_log_prob
+from verifier.head import WeightHead
+
+
+@dataclass
+class TrainConfig:
+    """Settings (paper: N=5, lr 5e-4 AdamW, warmup + cosine, clip 5, batch 8, ~100 updates)."""
+
+    target_path: str = ""
+    draft_path: str = ""
+    pair_name: str = ""
+    out_dir: str = "models/embedded/head"  # the exported head
+    run_dir: str = "runs/train"  # checkpoints and the training log
+    tasks: tuple[str, ...] = ("math", "summary", "code")
+    train_prompts: int = 96  # per task (train split)
+    dev_prompts: int = 4  # per task (dev split), per evaluation
+    dev_dials: tuple[float, ...] = (0.25, 0.75)
+    dials: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    updates: int = 40
+    batch: int = 8  # rollouts per update
+    ppo_epochs: int = 2  # optimiser steps per rollout batch
+    num_draft: int = 5
+    max_tokens: int = 96
+    temperature: float = 1.0
+    lr: float = 2e-2
+    weight_decay: float = 0.0
+    warmup: int = 4
+    grad_clip: float = 5.0
+    clip_eps: float = 0.2
+    kl_coef: float = 0.01
+    lambda_min: float = 0.05
+    lambda_max: float = 1.0
+    head_hidden: int = 0
+    default_dial: float = 0.5
+    eval_every: int = 10
+    ckpt_every: int = 5
+    seed: int = 0
+    max_batch: int = 8
+    extra: dict = field(default_factory=dict)
+
+
+def acceptance_weight(cfg: TrainConfig, dial: torch.Tensor) -> torch.Tensor:
+    """λ(d) `[B]`: λ_max at d = 0 down to λ_min at d = 1 (always > 0)."""
+    return cfg.lambda_min + (cfg.lambda_max - cfg.lambda_min) * (1.0 - dial)
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup then cosine decay to 10% over `cfg.updates` updates."""
+    if step < cfg.warmup:
+        return (step + 1) / max(1, cfg.warmup)
+    span = max(1, cfg.updates - cfg.warmup)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - cfg.warmup) / span)))
+
+
+def head_weights(head: WeightHead, forced: Forced, dial: torch.Tensor) -> torch.Tensor:
+    """w `[B, T]` for teacher-forced states (padding positions get arbitrary but masked values)."""
+    return head(forced.h_draft, forced.h_target, dial)
+
+
+@dataclass
+class LossParts:
+    loss: torch.Tensor
+    policy: float
+    kl: float
+    acceptance: float
+    clip_frac: float
+
+
+def reinforce_pp_loss(
+    head: WeightHead,
+    forced: Forced,
+    dial: torch.Tensor,  # [B]
+    advantages: torch.Tensor,  # [B]
+    old_logp: torch.Tensor,  # [B, T]
+    ref_logp: torch.Tensor,  # [B, T]
+    lam: torch.Tensor,  # [B]
+    cfg: TrainConfig,
+) -> LossParts:
+    """Clipped policy-gradient + token KL − pathwise λ·acceptance, averaged over all tokens."""
+    w = head_weights(head, forced, dial)  # [B, T]
+    logp = nu_log_prob(w, forced)  # [B, T]
+    mask = forced.mask.float()
+    tokens = mask.sum().clamp_min(1.0)
+    ratio = torch.exp(logp - old_logp)  # [B, T]
+    adv = advantages.view(-1, 1)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
+    policy = -(surrogate * mask).sum() / tokens
+    log_r = ref_logp - logp  # k3: exp(x) − x − 1 >= 0, x = log ν_ref − log ν_θ
+    kl = ((torch.exp(log_r) - log_r - 1.0) * mask).sum() / tokens
+    acc = expected_acceptance(w, forced)  # [B]
+    pathwise = (lam * acc).mean()
+    loss = policy + cfg.kl_coef * kl - pathwise
+    clipped = ((ratio - 1).abs() > cfg.clip_eps).float()
+    return LossParts(
+        loss,
+        float(policy),
+        float(kl),
+        float(acc.mean()),
+        float((clipped * mask).sum() / tokens),
+    )
+
+
+def normalised_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++: `(r − mean)/std` over the global batch (zero when all rewards tie)."""
+    centred = rewards - rewards.mean()
+    std = rewards.std() if rewards.numel() > 1 else torch.zeros(())
+    return centred / (std + 1e-6) if float(std) > 1e-8 else torch.zeros_like(rewards)
+
+
+def update_step(
+    head: WeightHead,
+    ref_head: WeightHead,
+    optimizer: torch.optim.Optimizer,
+    forced: Forced,
+    dial: torch.Tensor,  # [B]
+    scores: torch.Tensor,  # [B]
+    cfg: TrainConfig,
+) -> dict:
+    """One REINFORCE++ update on a finished rollout batch; returns its statistics."""
+    lam = acceptance_weight(cfg, dial)  # [B]
+    with torch.no_grad():
+        w_old = head_weights(head, forced, dial)
+        old_logp = nu_log_prob(w_old, forced)
+        ref_logp = nu_log_prob(head_weights(ref_head, forced, dial), forced)
+        acc_old = expected_acceptance(w_old, forced)  # [B]
+        rewards = scores + lam * acc_old
+        adv = normalised_advantages(rewards)
+        w_mean = float((w_old * forced.mask).sum() / forced.mask.sum().clamp_min(1))
+    parts = None
+    for _ in range(cfg.ppo_epochs):
+        parts = reinforce_pp_loss(head, forced, dial, adv, old_logp, ref_logp, lam, cfg)
+        optimizer.zero_grad(set_to_none=True)
+        parts.loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip))
+        optimizer.step()
+    return {
+        "reward": float(rewards.mean()),
+        "score": float(scores.mean()),
+        "acceptance": float(acc_old.mean()),
+        "objective": float(rewards.mean()),
+        "mean_w": w_mean,
+        "kl": parts.kl,
+        "clip_frac": parts.clip_frac,
+        "grad_norm": grad_norm,
+    }
+
+
+def sample_dials(cfg: TrainConfig, step: int, n: int) -> torch.Tensor:
+    """Per-rollout dial values `[n]`, deterministic in (seed, step): a shuffled cycle of the grid."""
+    rng = random.Random(f"dials:{cfg.seed}:{step}")
+    grid = list(cfg.dials) * (n // len(cfg.dials) + 1)
+    rng.shuffle(grid)
+    return torch.tensor(grid[:n], dtype=torch.float32)
