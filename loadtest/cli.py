@@ -1,0 +1,318 @@
+"""`dialspec loadtest`: benchmark a dialspec (or any OpenAI-compatible) server per quality tier.
+
+    dialspec loadtest --url http://127.0.0.1:8000 --concurrency 1,4,8 --num-requests 200
+    dialspec loadtest --url http://127.0.0.1:8000 --rate 2 --duration 120 \\
+        --tiers lite:0.3,standard:0.4,pro:0.3 --prompts my_prompts.jsonl
+
+Every phase stops at --num-requests requests or --duration seconds, whichever comes first.
+Traffic goes only to --url (and its /metrics, or --metrics-url). Results: the report on the
+terminal, `report.json`, `requests.jsonl` and plots under --out/<timestamp>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from loadtest.client import RequestOptions, RequestSpec
+from loadtest.prompts import PromptError, load_prompts
+from loadtest.runner import run_phase
+from loadtest.schedule import LoadShape, parse_sweep
+from loadtest.scrape import delta, scrape
+from loadtest.summary import summarize_phase
+from loadtest.tiers import TierMixError, assign, format_tier_mix, parse_tier_mix
+from server.cli import CLIError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "loadtest",
+        help="serving benchmark per quality tier (latency, throughput, acceptance), with plots",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
+    p.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="server base URL (default http://127.0.0.1:8000)"
+    )
+    p.add_argument("--model", help="model name to request (default: the first of GET /v1/models)")
+    p.add_argument(
+        "--endpoint", choices=["chat", "completions"], default="chat", help="API to load (default chat)"
+    )
+    load = p.add_mutually_exclusive_group()
+    load.add_argument(
+        "--concurrency", help="closed loop: requests in flight; a list sweeps, e.g. 1,4,8 (default 4)"
+    )
+    load.add_argument(
+        "--rate", help="open loop: Poisson arrivals in req/s (or inf); a list sweeps, e.g. 1,2,4"
+    )
+    p.add_argument("--max-concurrency", type=int, help="with --rate: cap on requests in flight")
+    p.add_argument("--num-requests", type=int, default=100, help="request bound per phase (default 100)")
+    p.add_argument("--duration", type=float, default=60.0, help="time bound per phase, seconds (default 60)")
+    p.add_argument(
+        "--prompts", default="suite", help="'suite', 'suite:math,code', or a JSONL file (default suite)"
+    )
+    p.add_argument(
+        "--tiers", help="tier mix sent as `quality`, e.g. lite:0.3,standard:0.4,pro:0.3 (default: none)"
+    )
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request (default 128)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="send ignore_eos: true (fixed-length outputs, vLLM style)"
+    )
+    p.add_argument(
+        "--extra-body", help='JSON object merged into every request, e.g. \'{"verifier": "lossy"}\''
+    )
+    p.add_argument(
+        "--api-key", default=os.environ.get("DIALSPEC_API_KEY"), help="Bearer key (default $DIALSPEC_API_KEY)"
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=120.0, help="per-request limit, seconds (default 120)"
+    )
+    p.add_argument("--metrics-url", help="Prometheus endpoint to cross-check (default URL/metrics)")
+    p.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds prompts, tiers, arrivals and per-request seeds (default 0)"
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("runs/loadtest"), help="results folder (default runs/loadtest)"
+    )
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG/SVG plots")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def base_url(url: str) -> str:
+    """Validate --url; accepts `http://host:port` or `.../v1` and returns the part before /v1."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise CLIError(f"--url {url!r} is not an http(s) URL; write e.g. --url http://127.0.0.1:8000")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise CLIError(f"--url {url!r} has a bad port; write e.g. --url http://127.0.0.1:8000") from None
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def _shapes(args) -> list[LoadShape]:
+    try:
+        if args.rate is not None:
+            if args.max_concurrency is not None and args.max_concurrency < 1:
+                raise CLIError("--max-concurrency must be at least 1")
+            return [LoadShape("rate", v, args.max_concurrency) for v in parse_sweep(args.rate, "rate")]
+        if args.max_concurrency is not None:
+            raise CLIError(
+                "--max-concurrency applies to --rate runs; with --concurrency it is the concurrency"
+            )
+        return [LoadShape("concurrency", v) for v in parse_sweep(args.concurrency or "4", "concurrency")]
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _check_args(args) -> None:
+    if args.num_requests < 1:
+        raise CLIError("--num-requests must be at least 1")
+    if not args.duration > 0:
+        raise CLIError("--duration must be a positive number of seconds")
+    if not args.request_timeout > 0:
+        raise CLIError("--request-timeout must be a positive number of seconds")
+    if args.max_tokens < 1:
+        raise CLIError("--max-tokens must be at least 1")
+
+
+def _extra_body(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CLIError(
+            f'--extra-body is not valid JSON ({exc.msg}); write e.g. \'{{"verifier": "lossy"}}\''
+        ) from None
+    if not isinstance(obj, dict):
+        raise CLIError("--extra-body must be a JSON object")
+    return obj
+
+
+async def preflight(client: httpx.AsyncClient, url: str, model: str | None) -> str:
+    """Reach the server once (GET /v1/models) before loading it; returns the model to request."""
+    try:
+        resp = await client.get("/v1/models", timeout=10.0)
+    except httpx.ConnectError:
+        raise CLIError(
+            f"cannot connect to {url} (nothing listening?); "
+            "start the server (e.g. `dialspec serve`) or fix --url"
+        ) from None
+    except httpx.TimeoutException:
+        raise CLIError(
+            f"{url} did not answer within 10 s; check the server is healthy or fix --url"
+        ) from None
+    except httpx.HTTPError as exc:
+        raise CLIError(f"cannot reach {url} ({type(exc).__name__}: {exc}); fix --url") from None
+    if resp.status_code == 401:
+        raise CLIError(f"{url} rejected the API key (401); pass the server's key with --api-key")
+    if resp.status_code == 200:
+        try:
+            ids = [m["id"] for m in resp.json().get("data", [])]
+        except (ValueError, AttributeError, KeyError, TypeError):
+            ids = []
+        if model is None:
+            if not ids:
+                raise CLIError(f"{url}/v1/models lists no model; pass --model")
+            return ids[0]
+        return model
+    if model is None:
+        raise CLIError(
+            f"{url}/v1/models answered HTTP {resp.status_code}; pass --model (is --url the API root?)"
+        )
+    return model
+
+
+def _plan(args, prompts, tiers) -> list[RequestSpec]:
+    chosen = assign(tiers, args.num_requests, args.seed)
+    return [
+        RequestSpec(i, prompts[i % len(prompts)], chosen[i], args.seed * 1_000_003 + i)
+        for i in range(args.num_requests)
+    ]
+
+
+async def _run_phases(args, url, opts, plan, shapes, tiers, console) -> tuple[str, list[dict]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from loadtest.render import print_phase
+
+    metrics_url = args.metrics_url or f"{url}/metrics"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(args.request_timeout, connect=min(10.0, args.request_timeout))
+    phases = []
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, limits=limits, timeout=timeout, trust_env=False
+    ) as client:
+        opts = RequestOptions(**{**opts.__dict__, "model": await preflight(client, url, opts.model)})
+        console.print(
+            f"loadtest: {url} model={opts.model} endpoint={opts.endpoint} requests<={len(plan)} "
+            f"duration<={args.duration:g}s tiers={format_tier_mix(tiers)}",
+            highlight=False,
+        )
+        for shape in shapes:
+            before, err = (None, "--no-metrics") if args.no_metrics else await scrape(client, metrics_url)
+            failed = 0
+            with Progress(
+                TextColumn(f"[bold]{shape.label}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("failed {task.fields[failed]}"),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+                disable=args.quiet,
+            ) as progress:
+                task = progress.add_task("run", total=len(plan), failed=0)
+
+                def on_done(rec, task=task, progress=progress):
+                    nonlocal failed
+                    failed += 0 if rec.ok else 1
+                    progress.update(task, advance=1, failed=failed)
+
+                result = await run_phase(client, plan, opts, shape, args.duration, args.seed, on_done)
+            after = None
+            if before is not None:
+                after, err = await scrape(client, metrics_url)
+            d = delta(before, after) if (before is not None and after is not None) else None
+            phase = summarize_phase(result, d, err, [t.name for t in tiers])
+            phase["records"] = [r.to_json() for r in result.records]
+            print_phase(console, phase)
+            phases.append(phase)
+    return opts.model, phases
+
+
+def _write(args, out_dir: Path, config: dict, phases: list[dict]) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with (out_dir / "requests.jsonl").open("w") as fh:
+        for p in phases:
+            for r in p["records"]:
+                fh.write(json.dumps({"phase": p["label"], **r}) + "\n")
+    report = {"config": config, "phases": [{k: v for k, v in p.items() if k != "records"} for p in phases]}
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    written = [out_dir / "report.json", out_dir / "requests.jsonl"]
+    if not args.no_plots:
+        from loadtest.plots import plot_all
+
+        written += plot_all(report["phases"], out_dir)
+    return written
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    _check_args(args)
+    url = base_url(args.url)
+    shapes = _shapes(args)
+    try:
+        tiers = parse_tier_mix(args.tiers)
+    except TierMixError as exc:
+        raise CLIError(f"--tiers: {exc}") from None
+    n_tasks = 3 if args.prompts == "suite" else max(1, len(args.prompts.partition(":")[2].split(",")))
+    try:
+        prompts = load_prompts(args.prompts, min(100, math.ceil(args.num_requests / n_tasks)), args.seed)
+    except PromptError as exc:
+        raise CLIError(str(exc)) from None
+    if args.endpoint == "completions" and any(len(p.messages) > 1 for p in prompts):
+        raise CLIError("multi-message prompts need --endpoint chat")
+    opts = RequestOptions(
+        model=args.model,
+        endpoint=args.endpoint,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        extra_body=_extra_body(args.extra_body),
+        timeout=args.request_timeout,
+    )
+    plan = _plan(args, prompts, tiers)
+    console = Console(width=None if sys.stdout.isatty() else 132)
+    started = datetime.now(timezone.utc)
+    t0 = time.perf_counter()
+    model, phases = asyncio.run(_run_phases(args, url, opts, plan, shapes, tiers, console))
+    config = {
+        "url": url,
+        "model": model,
+        "endpoint": args.endpoint,
+        "shapes": [s.label for s in shapes],
+        "num_requests": args.num_requests,
+        "duration_s": args.duration,
+        "prompts": args.prompts,
+        "tiers": format_tier_mix(tiers),
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "ignore_eos": args.ignore_eos,
+        "extra_body": opts.extra_body,
+        "request_timeout_s": args.request_timeout,
+        "seed": args.seed,
+        "started_utc": started.isoformat(timespec="seconds"),
+        "wall_s": time.perf_counter() - t0,
+    }
+    out_dir = args.out / started.strftime("%Y%m%d-%H%M%S")
+    written = _write(args, out_dir, config, phases)
+    if len(phases) > 1:
+        from loadtest.render import sweep_table
+
+        console.print(sweep_table(phases))
+    console.print(f"loadtest: wrote {', '.join(p.name for p in written)} to {out_dir}", highlight=False)
+    if all(p["completed"] == 0 for p in phases):
+        console.print("loadtest: every request failed; see the failure kinds above", highlight=False)
+        return 1
+    return 0
