@@ -1,0 +1,104 @@
+"""With sampling, the engine emits exactly ν = w·p + (1−w)·q at every position.
+
+For one prompt we draw many two-token completions (different seeds, N = 3, batched) and compare
+the empirical frequencies of y1 with ν1 and of y2 with its exact marginal Σ_y1 ν1(y1)·ν2(· | y1),
+where p and q come from `transformers` running the two checkpoints (an independent implementation)
+through the same temperature/top-k transform. Position 2 is
+produced either inside the first round (after an accepted draft) or by the next round after a
+rollback, so both the verifier and the cache bookkeeping are under test.
+
+Tolerance (derived, not tuned): Pearson chi-square over cells with expected count >= 5 (the rest
+pooled into one cell), rejected only above the chi-square quantile at 1 − 1e-4 for its degrees of
+freedom. Seeds are fixed, so the test is deterministic; a correct sampler fails with probability
+1e-4 per case over seed choices, while a wrong acceptance rule (e.g. verifying against p when
+w < 1) shifts ν by (1−w)·TV(p, q) and blows the statistic up by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chi2
+from transformers import AutoModelForCausalLM
+
+from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
+from verifier import logits_to_probs
+
+SAMPLES = 1000
+TEMPERATURE = 0.8  # != 1 and top-k on, so the shared transform is exercised too
+TOP_K = 6  # also keeps the support small enough for well-filled chi-square cells
+
+
+def _next_probs(model, ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]  # [V]
+    return logits_to_probs(logits.unsqueeze(0), TEMPERATURE, TOP_K)[0].double()  # [V]
+
+
+def _chi_square(counts: Counter, expected: dict, n: int) -> tuple[float, int]:
+    big = {cell: e * n for cell, e in expected.items() if e * n >= 5}
+    stat, pooled_obs = 0.0, n
+    for cell, e in big.items():
+        stat += (counts.get(cell, 0) - e) ** 2 / e
+        pooled_obs -= counts.get(cell, 0)
+    pooled_exp = n - sum(big.values())
+    if pooled_exp >= 5:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        return stat, len(big)
+    assert pooled_obs <= max(5.0, 3 * pooled_exp + 5), "mass where ν has (almost) none"
+    return stat, len(big) - 1
+
+
+@pytest.mark.parametrize("weight", [0.5, 1.0])
+def test_two_token_distribution_is_nu(tiny_pair, weight):
+    target_path, draft_path = tiny_pair
+    engine = EmbeddedEngine(
+        EmbeddedEngineConfig(target_path, draft_path, num_draft=3, max_context=64, max_waiting=SAMPLES)
+    )
+    prompt = engine.encode_chat([{"role": "user", "content": "Tom has 12 apples"}])
+
+    async def main():
+        await engine.start()
+        try:
+
+            async def one(seed):
+                req = GenerationRequest(
+                    f"r{seed}",
+                    tuple(prompt),
+                    SamplingOptions(
+                        temperature=TEMPERATURE, top_k=TOP_K, max_tokens=2, seed=seed, ignore_eos=True
+                    ),
+                    VerifyOptions(weight=weight),
+                )
+                return tuple([t for c in [c async for c in engine.generate(req)] for t in c.token_ids])
+
+            return await asyncio.gather(*[one(1000 + s) for s in range(SAMPLES)])
+        finally:
+            await engine.stop()
+
+    outputs = asyncio.run(main())
+    assert all(len(o) == 2 for o in outputs)
+    counts = Counter(outputs)
+
+    target = AutoModelForCausalLM.from_pretrained(target_path).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_path).eval()
+
+    def nu(ids):
+        return weight * _next_probs(target, ids) + (1 - weight) * _next_probs(draft, ids)  # [V]
+
+    nu1 = nu(prompt)  # [V]
+    nu2 = torch.zeros_like(nu1)  # [V] marginal of the second token
+    for y1 in nu1.nonzero().flatten().tolist():
+        nu2 += nu1[y1] * nu([*prompt, y1])
+    for pos, marginal in ((0, nu1), (1, nu2)):
+        counts = Counter(o[pos] for o in outputs)
+        expected = {t: float(marginal[t]) for t in marginal.nonzero().flatten().tolist()}
+        assert set(counts) <= set(expected), "emitted a token outside the support of ν"
+        stat, dof = _chi_square(counts, expected, SAMPLES)
+        assert dof >= 3, "too few cells for a meaningful test"
+        limit = chi2.ppf(1 - 1e-4, dof)
+        assert stat < limit, f"position {pos + 1}: chi2={stat:.1f} over {dof} dof exceeds {limit:.1f}"
