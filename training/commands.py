@@ -32,7 +32,7 @@ def resolve_pair(args) -> tuple[str, str, str]:
         from training.embedded_pair import verify_pair
 
         pair = verify_pair()
-    except (ImportError, FileNotFoundError, ValueError) as exc:
+    except (ImportError, OSError, ValueError, RuntimeError) as exc:  # RuntimeError: PairIntegrityError
         raise CLIError(f"the embedded pair is not available ({exc}); pass --target and --draft") from exc
     return str(pair.target), str(pair.draft), pair.name
 

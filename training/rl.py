@@ -121,9 +121,9 @@ def reinforce_pp_loss(
     clipped = ((ratio - 1).abs() > cfg.clip_eps).float()
     return LossParts(
         loss,
-        float(policy),
-        float(kl),
-        float(acc.mean()),
+        float(policy.detach()),
+        float(kl.detach()),
+        float(acc.detach().mean()),
         float((clipped * mask).sum() / tokens),
     )
 

@@ -168,8 +168,10 @@ class Trainer:
         return out
 
     # -- the loop --------------------------------------------------------------------------
-    def train(self, resume: bool = False, progress: bool = True) -> dict:
+    def train(self, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict:
+        """Run to `cfg.updates` (or stop early after update `stop_after`, as an interruption would)."""
         cfg = self.cfg
+        last = cfg.updates if stop_after is None else min(cfg.updates, stop_after)
         if resume and self.load_checkpoint():
             self.log(f"resumed from {self.ckpt_path} at update {self.step}")
         self.engine.start_sync()
@@ -179,13 +181,13 @@ class Trainer:
                 self.dev_history.append(self.evaluate_dev())
             bar = _Progress(cfg.updates, self.step, enabled=progress)
             with bar:
-                while self.step < cfg.updates:
+                while self.step < last:
                     self.one_update()
                     bar.advance(self.history[-1])
                     if (self.step % cfg.eval_every == 0) or self.step == cfg.updates:
                         self.dev_history.append(self.evaluate_dev())
                         bar.note(f"dev @ {self.step}: objective {self.dev_history[-1]['objective']:.3f}")
-                    if self.step % cfg.ckpt_every == 0 or self.step == cfg.updates:
+                    if self.step % cfg.ckpt_every == 0 or self.step == last:
                         self.save_checkpoint()
         finally:
             if self.engine.scheduler is not None:
