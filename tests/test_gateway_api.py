@@ -208,3 +208,16 @@ def test_api_keys():
         good = openai.OpenAI(base_url=srv.url + "/v1", api_key="k2", max_retries=0)
         assert good.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2).choices
         assert httpx.get(srv.url + "/health").status_code == 200  # probes need no key
+
+
+def test_auto_quality_with_a_head():
+    engine = ScriptedEngine(has_head=True)
+    with live_server(create_app(engine)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        assert f"{MODEL}:auto" in [m.id for m in client.models.list()]
+        r = client.chat.completions.create(model=f"{MODEL}:auto", messages=MSG, max_tokens=3)
+        assert engine.requests[-1].verify.learned and r.model_extra["dialspec"]["tier"] == "auto"
+        client.chat.completions.create(
+            model=MODEL, messages=MSG, max_tokens=3, extra_body={"quality": "auto"}
+        )
+        assert engine.requests[-1].verify.learned

@@ -191,6 +191,10 @@ def test_model_names_roundtrip():
         assert tier is None or tier in s.tiers
     with pytest.raises(LookupError):
         dial.split_model_name("m:nope", "m", s)
+    with pytest.raises(LookupError):
+        dial.split_model_name("m:auto", "m", s)  # no head, no auto
+    assert dial.model_names("m", s, has_head=True)[-1] == "m:auto"
+    assert dial.split_model_name("m:auto", "m", s, has_head=True) == "auto"
 
 
 # ---- settings sources --------------------------------------------------------------------------

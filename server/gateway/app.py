@@ -243,7 +243,7 @@ def create_app(
     @app.get("/v1/models", response_model=ModelList)
     async def models():
         """The pair (default quality) and `<pair>:<tier>` for every tier."""
-        names = model_names(engine.info.model, settings)
+        names = model_names(engine.info.model, settings, engine.info.has_head)
         return {
             "object": "list",
             "data": [

@@ -120,16 +120,19 @@ def resolve(
     return Dial(tier, q, policy, verify)
 
 
-def split_model_name(name: str, served: str, settings: GatewaySettings) -> str | None:
-    """`<pair>` -> None, `<pair>:<tier>` -> tier; anything else is not ours (caller answers 404)."""
+def split_model_name(name: str, served: str, settings: GatewaySettings, has_head: bool = False) -> str | None:
+    """`<pair>` -> None, `<pair>:<tier>` (or `<pair>:auto` with a head) -> that quality; anything
+    else is not ours (LookupError: the caller answers 404)."""
     if name == served:
         return None
     pair, sep, tier = name.rpartition(":")
-    if sep and pair == served and tier in settings.tiers:
+    if sep and pair == served and (tier in settings.tiers or (has_head and tier == AUTO)):
         return tier
     raise LookupError(name)
 
 
-def model_names(served: str, settings: GatewaySettings) -> list[str]:
-    """What /v1/models lists: the pair itself (default quality) and one name per tier."""
-    return [served] + [f"{served}:{tier}" for tier in settings.tiers]
+def model_names(served: str, settings: GatewaySettings, has_head: bool = False) -> list[str]:
+    """What /v1/models lists: the pair itself (default quality), one name per tier, and
+    `<pair>:auto` when the learned head is loaded."""
+    tiers = [*settings.tiers, AUTO] if has_head else list(settings.tiers)
+    return [served] + [f"{served}:{tier}" for tier in tiers]

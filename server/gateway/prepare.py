@@ -36,7 +36,7 @@ class Prepared:
 
 def _model_tier(name: str, engine: Engine, settings: GatewaySettings) -> str | None:
     try:
-        return split_model_name(name, engine.info.model, settings)
+        return split_model_name(name, engine.info.model, settings, engine.info.has_head)
     except LookupError:
         raise APIError(
             404,

@@ -61,10 +61,18 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     # dialspec extensions
-    quality: float | str | None = None
-    verifier: Literal["ensemble", "lossy", "cascade", "typical"] | None = None
-    mode: Literal["speculative", "autoregressive"] | None = None
-    num_draft: int | None = Field(None, ge=1, le=64)
+    quality: float | str | None = Field(
+        None,
+        description="dialspec: number in [0, 1] (1 = lossless), a tier name (lite, standard, pro, exact) "
+        "or 'auto' (learned head). Default: the server's default_quality (exact).",
+    )
+    verifier: Literal["ensemble", "lossy", "cascade", "typical"] | None = Field(
+        None, description="dialspec: verification policy; baselines are for comparison runs"
+    )
+    mode: Literal["speculative", "autoregressive"] | None = Field(
+        None, description="dialspec: 'autoregressive' runs the target alone (speed baseline)"
+    )
+    num_draft: int | None = Field(None, ge=1, le=64, description="dialspec: draft length N for this request")
 
     @field_validator("stop")
     @classmethod
