@@ -1,0 +1,191 @@
+"""Continuous batching behaviour: per-row dial and seeds, cancellation, limits, stop strings, UTF-8."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from server.engine.detokenize import IncrementalDetokenizer, StopStringFilter
+from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.protocol import (
+    Engine,
+    EngineError,
+    GenerationRequest,
+    SamplingOptions,
+    VerifyOptions,
+)
+
+
+def _head(h_draft, h_target, dial):
+    """A stand-in learned head: w_t = dial/2 + 0.25·sigmoid(mean target state)."""
+    return (0.5 * dial.view(-1, 1) + 0.25 * torch.sigmoid(h_target.mean(-1))).clamp(0, 1)  # [R, N]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    eng = EmbeddedEngine(
+        EmbeddedEngineConfig(*tiny_pair, num_draft=3, max_batch=4, max_context=96, head=_head)
+    )
+    eng.start_sync()
+    yield eng
+    asyncio.run(eng.stop())
+
+
+def _req(engine, text, i=0, **kw):
+    verify = VerifyOptions(**{k: kw.pop(k) for k in list(kw) if k in VerifyOptions.__dataclass_fields__})
+    kw.setdefault("max_tokens", 24)
+    kw.setdefault("seed", i)
+    ids = tuple(engine.encode_chat([{"role": "user", "content": text}]))
+    return GenerationRequest(f"r{i}", ids, SamplingOptions(**kw), verify)
+
+
+async def _collect(engine, req):
+    chunks = [c async for c in engine.generate(req)]
+    return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks
+
+
+def test_implements_protocol(engine):
+    assert isinstance(engine, Engine)
+    assert engine.info.backend == "embedded" and engine.info.has_head and engine.info.num_draft == 3
+
+
+def test_mixed_weights_in_one_batch_equal_running_alone(engine):
+    """Rows with different w, policies, temperatures, N and modes share steps; seeds make each
+    row's output independent of its batch-mates (6 requests over 4 slots also exercises the queue)."""
+    specs = [
+        dict(weight=1.0, temperature=1.0),
+        dict(weight=0.5, temperature=0.8, top_p=0.9),
+        dict(weight=0.0, temperature=1.2, top_k=20),
+        dict(weight=0.7, temperature=1.0, learned=True),
+        dict(mode="autoregressive", temperature=1.0),
+        dict(policy="lossy", lenience=0.3, temperature=1.0, num_draft=2),
+    ]
+
+    async def main():
+        reqs = [_req(engine, f"prompt {i}", i=i, **s) for i, s in enumerate(specs)]
+        alone = [await _collect(engine, r) for r in reqs]
+        together = await asyncio.gather(*[_collect(engine, r) for r in reqs])
+        return alone, together
+
+    alone, together = asyncio.run(main())
+    for i, (a, t) in enumerate(zip(alone, together, strict=True)):
+        assert a[0] == t[0], f"request {i} differs batched vs alone"
+        assert a[1] == t[1]
+    learned_stats = alone[3][2][-1].stats
+    assert learned_stats.weight_count > 0 and 0.35 <= learned_stats.mean_weight <= 0.6
+    assert alone[2][2][-1].stats.acceptance_rate == 1.0  # w = 0 accepts every draft
+    assert alone[4][2][-1].stats.drafts == 0  # autoregressive rows propose nothing
+
+
+def test_learned_without_head_is_rejected(tiny_pair):
+    eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_context=64))
+    eng.start_sync()
+    try:
+
+        async def main():
+            with pytest.raises(EngineError) as err:
+                await _collect(eng, _req(eng, "hi", learned=True))
+            return err.value
+
+        assert asyncio.run(main()).kind == "invalid_request"
+        assert not eng.info.has_head
+    finally:
+        asyncio.run(eng.stop())
+
+
+def test_over_long_request_is_rejected_clearly(engine):
+    async def main():
+        with pytest.raises(EngineError) as err:
+            await _collect(engine, _req(engine, "hello", max_tokens=95))
+        return err.value
+
+    err = asyncio.run(main())
+    assert err.kind == "invalid_request" and "max_context" in str(err) and "96" in str(err)
+
+
+def test_cancellation_frees_the_row(engine):
+    async def main():
+        gen = engine.generate(_req(engine, "a long one", max_tokens=60, ignore_eos=True))
+        first = await gen.__anext__()
+        assert engine.load()["running"] == 1
+        await gen.aclose()
+        for _ in range(200):
+            if engine.load() == {"running": 0, "waiting": 0}:
+                break
+            await asyncio.sleep(0.01)
+        # A task cancelled mid-stream frees its row too.
+        task = asyncio.create_task(_collect(engine, _req(engine, "another", max_tokens=60, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if engine.load() == {"running": 0, "waiting": 0}:
+                break
+            await asyncio.sleep(0.01)
+        return first
+
+    first = asyncio.run(main())
+    assert first.finish_reason is None
+    assert engine.load() == {"running": 0, "waiting": 0}
+    assert engine.scheduler._free == list(range(engine.config.max_batch))
+
+
+def test_stop_strings_and_stop_tokens(engine):
+    async def main():
+        base = await _collect(
+            engine, _req(engine, "stop test", temperature=0.0, max_tokens=30, ignore_eos=True)
+        )
+        text = base[1]
+        stop = text[8:11]
+        cut = await _collect(
+            engine, _req(engine, "stop test", temperature=0.0, max_tokens=30, ignore_eos=True, stop=(stop,))
+        )
+        tok = base[0][5]
+        by_id = await _collect(
+            engine,
+            _req(engine, "stop test", temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=(tok,)),
+        )
+        return base, stop, cut, tok, by_id
+
+    base, stop, cut, tok, by_id = asyncio.run(main())
+    assert len(stop) == 3
+    assert cut[1] == base[1][: base[1].find(stop)] and stop not in cut[1]
+    assert cut[2][-1].finish_reason == "stop"
+    first = base[0].index(tok)
+    assert by_id[0] == base[0][: first + 1] and by_id[2][-1].finish_reason == "stop"
+    assert base[2][-1].finish_reason == "length" and base[2][-1].completion_tokens == 30
+
+
+def test_stop_filter_holds_back_partial_matches():
+    f = StopStringFilter(["END"])
+    assert f.feed("abc E") == ("abc ", False)
+    assert f.feed("N") == ("", False)
+    assert f.feed("x") == ("ENx", False)
+    assert f.feed("yEN") == ("y", False)
+    assert f.feed("Dzz") == ("", True)
+
+
+def test_utf8_streaming_never_splits_characters(engine):
+    text = "Summary: Ünïcödé ✓ 日本語 done"
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    pieces = [engine.tokenizer.decode([i]) for i in ids]
+    assert any("\ufffd" in p for p in pieces), "tokenizer must split some character for this test"
+    detok = IncrementalDetokenizer(engine.tokenizer, [])
+    deltas = [detok.push(i) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + detok.flush() == text
+
+
+def test_streamed_text_matches_full_decode(engine):
+    async def main():
+        return await asyncio.gather(
+            *[_collect(engine, _req(engine, f"p{i}", i=i, max_tokens=20, ignore_eos=True)) for i in range(3)]
+        )
+
+    for tokens, text, chunks in asyncio.run(main()):
+        assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert chunks[-1].completion_tokens == len(tokens) == 20
+        assert chunks[-1].stats is not None and chunks[-1].stats.verify_steps >= 1
