@@ -45,13 +45,16 @@ def plot_throughput(phases: list[dict], out: Path) -> list[Path]:
     finite = [p for p in phases if math.isfinite(_x(p))] or phases
     xs = [_x(p) if math.isfinite(_x(p)) else 0 for p in finite]
     xlabel = "concurrency (requests in flight)" if kind == "concurrency" else "offered rate (req/s)"
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), layout="constrained")
     panels = (
         ("output_throughput", "output tokens / s", "tab:blue"),
         ("request_throughput", "requests / s", "tab:orange"),
     )
     for ax, (key, label, color) in zip(axes, panels, strict=True):
-        ax.plot(xs, [p[key] for p in finite], "o-", color=color)
+        ax.plot(xs, [p[key] for p in finite], "o-", color=color, label="achieved")
+        if kind == "rate" and key == "request_throughput":
+            ax.plot(xs, xs, ":", color="gray", label="offered")
+            ax.legend(fontsize="small")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
@@ -64,7 +67,7 @@ def plot_throughput(phases: list[dict], out: Path) -> list[Path]:
 def plot_latency_by_tier(phases: list[dict], out: Path) -> list[Path]:
     tiers = _tiers(phases)
     metrics = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E latency"))
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.4), layout="constrained")
     width = 0.8 / max(len(phases), 1)
     for ax, (key, title) in zip(axes, metrics, strict=False):
         for j, p in enumerate(phases):
@@ -81,14 +84,15 @@ def plot_latency_by_tier(phases: list[dict], out: Path) -> list[Path]:
         ax.set_title(f"{title} (median, whisker p90)")
         ax.set_ylabel("ms")
         ax.grid(axis="y", alpha=0.3)
-    axes[-1].legend(fontsize="small")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(phases), 6), fontsize="small")
     fig.suptitle("Latency by tier")
     return _save(fig, out, "latency_by_tier")
 
 
 def plot_acceptance_by_tier(phases: list[dict], out: Path) -> list[Path]:
     tiers = _tiers(phases)
-    fig, ax = plt.subplots(figsize=(6.8, 4.2))
+    fig, ax = plt.subplots(figsize=(6.8, 4.4), layout="constrained")
     width = 0.8 / max(len(phases), 1)
     for j, p in enumerate(phases):
         pos = [i + (j - (len(phases) - 1) / 2) * width for i in range(len(tiers))]
