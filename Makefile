@@ -37,3 +37,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+
+# tests/test_deploy.py checks deploy/ statically with promtool and docker-compose (Debian packages,
+# installed once; CI runs as root). The test fails, never skips, when they are missing.
+.PHONY: deploy-tools
+test: deploy-tools
+deploy-tools: $(STAMP)
+	sh deploy/scripts/install-test-tools.sh $(BIN)
