@@ -43,6 +43,11 @@ class KVCache:
         self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Store `k, v` `[R, Hkv, T, D]` for rows `slots` `[R]` at absolute `positions` `[R, T]`."""
+        if slots.shape[0] == 1:  # one row: a plain slice copy, no index arithmetic
+            slot, start, t = int(slots[0]), int(positions[0, 0]), positions.shape[1]
+            self.k[layer, slot, :, start : start + t] = k[0]
+            self.v[layer, slot, :, start : start + t] = v[0]
+            return
         b_idx = slots.view(-1, 1)  # [R, 1], broadcasts against positions [R, T]
         # Advanced indices separated by a slice put their dims first: the target is [R, T, Hkv, D].
         self.k[layer][b_idx, :, positions] = k.transpose(1, 2)

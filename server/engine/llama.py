@@ -107,6 +107,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel; identical math to HF's in float32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 as HF does; the scale is applied in the model dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -131,20 +133,21 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache: KVCache, slots, positions, mask, seq_len, contiguous):
         r, t, _ = x.shape  # x [R, T, H]
         a = self.args
-        q, k, v = self.wqkv(self.attn_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(r, t, a.num_heads, a.head_dim).transpose(1, 2)  # [R, Hq, T, D]
-        k = k.view(r, t, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [R, Hkv, T, D]
-        v = v.view(r, t, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [R, Hkv, T, D]
-        q = q * cos + rotate_half(q) * sin  # cos/sin [R, 1, T, D]
-        k = k * cos + rotate_half(k) * sin
+        qkv = F.linear(self.attn_norm(x), self.wqkv.weight, self.wqkv.bias)  # [R, T, Hq*D + 2*Hkv*D]
+        # RoPE on q and k in one pass: they are adjacent in the fused projection.
+        qk = qkv[..., : self.q_size + self.kv_size].view(r, t, a.num_heads + a.num_kv_heads, a.head_dim)
+        qk = qk * cos + rotate_half(qk) * sin  # cos/sin [R, T, 1, D]; qk [R, T, Hq+Hkv, D]
+        q = qk[:, :, : a.num_heads].transpose(1, 2)  # [R, Hq, T, D]
+        k = qk[:, :, a.num_heads :].transpose(1, 2)  # [R, Hkv, T, D]
+        v = qkv[..., self.q_size + self.kv_size :].view(r, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
         cache.write(self.layer, slots, positions, k, v)
         keys, values = cache.read(self.layer, slots, seq_len, contiguous)  # [R, Hkv, S, D] each
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads
         )  # [R, Hq, T, D]
-        x = x + self.wo(out.transpose(1, 2).reshape(r, t, self.q_size))
-        gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)  # [R, T, I] each
-        return x + self.w2(F.silu(gate) * up)
+        x = x + F.linear(out.transpose(1, 2).reshape(r, t, self.q_size), self.wo.weight)
+        gate, up = F.linear(self.mlp_norm(x), self.w13.weight).chunk(2, dim=-1)  # [R, T, I] each
+        return x + F.linear(F.silu(gate) * up, self.w2.weight)
 
 
 class Transformer(nn.Module):
@@ -157,30 +160,41 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)  # [D/2]
 
-    def forward(self, tokens: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor, cache: KVCache):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        slots: torch.Tensor,
+        starts: torch.Tensor,
+        cache: KVCache,
+        contiguous: bool | None = None,
+    ):
         """tokens `[R, T]`, slots `[R]`, starts `[R]` -> final-norm hidden `[R, T, H]`.
 
         Writes the new keys/values at positions `starts + [0, T)` of each row's slot; each query
         attends to its row's positions `<= its own`. Callers keep `starts + T <= cache max_seq`.
+        `contiguous` (slots == arange(R)) may be passed by callers that know it, saving a check.
         """
         r, t = tokens.shape
         positions = starts.view(-1, 1) + torch.arange(t, device=tokens.device)  # [R, T]
         seq_len = int(starts.max()) + t
-        key_pos = torch.arange(seq_len, device=tokens.device)  # [S]
-        mask = (key_pos.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)  # [R, 1, T, S]
+        if r == 1 and t == 1:
+            mask = None  # a single query at the end of its row sees every cached key
+        else:
+            key_pos = torch.arange(seq_len, device=tokens.device)  # [S]
+            mask = (key_pos.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)  # [R, 1, T, S]
         freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [R, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [R, T, D]
-        x = self.embed(tokens)  # [R, T, H]
-        cos = emb.cos().to(x.dtype).unsqueeze(1)  # [R, 1, T, D]
-        sin = emb.sin().to(x.dtype).unsqueeze(1)  # [R, 1, T, D]
-        contiguous = bool((slots == torch.arange(r, device=slots.device)).all())
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [R, T, 1, D]
+        x = F.embedding(tokens, self.embed.weight)  # [R, T, H]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # [R, T, 1, D] each
+        if contiguous is None:
+            contiguous = bool((slots == torch.arange(r, device=slots.device)).all())
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, slots, positions, mask, seq_len, contiguous)
+            x = layer.forward(x, cos, sin, cache, slots, positions, mask, seq_len, contiguous)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[..., H]` -> `[..., V]` (float32 for the sampling transforms)."""
-        return self.lm_head(hidden).float()
+        return F.linear(hidden, self.lm_head.weight).float()
 
     def new_cache(self, max_batch: int, max_seq: int) -> KVCache:
         from server.engine.kv_cache import CacheShape

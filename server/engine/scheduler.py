@@ -4,7 +4,8 @@ Terms
     waiting   submitted rows not yet holding a slot (FIFO); `load()['waiting']`.
     running   rows holding a slot and decoding; `load()['running']`.
     step      one pass of the loop: retire cancelled rows, admit waiting rows into free slots
-              (prefilling each alone), then one round per draft-length group (see `step.py`).
+              (prefilled together in one padded forward), then one round per draft-length group
+              (see `step.py`).
               Rows join and leave only between steps, so a step's tensors never change shape.
 
 Grouping: rows with different N (including N = 0, autoregressive) run as separate rounds within
@@ -115,8 +116,9 @@ class Scheduler:
         for row in list(self._running):
             if row.cancelled or row.done:
                 self._retire(row)
-        for row in self._admit():
-            prefill(self.models, row)
+        new = self._admit()
+        if new:
+            prefill(self.models, new)
         groups: dict[int, list[Row]] = {}
         for row in self._running:
             if not row.cancelled and not row.done:

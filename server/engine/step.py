@@ -14,7 +14,8 @@ Round for R speculative rows (N >= 1):
        drafts, the draft cache keeps `min(k, N - 1)` of them. Rejected positions are rolled back
        simply by the lengths (stale entries are masked and later overwritten).
 Autoregressive rows are the N = 0 case of the same round: no draft, a 1-position target forward,
-and `verify` samples the bonus token from p (so seeding and transforms are shared).
+and the token is drawn from p with the row's first verify uniform, exactly what `verify` does with
+N = 0 (seeding and transforms are shared), without its per-call input checks.
 
 Terms: h_draft `[R, N, Hd]` final-norm draft states at the positions that produced each draft
 token; h_target `[R, N, Ht]` target states at the positions scoring each draft token.
@@ -46,7 +47,7 @@ class StepTimers:
     verify_forwards: int = 0
     target_forward_s: float = 0.0  # target forwards over 1 position (autoregressive rows)
     target_forwards: int = 0
-    verify_call_s: float = 0.0  # time inside verifier.verify (+ the p/q transforms)
+    verify_call_s: float = 0.0  # verification: building w/policies, verifier.verify, reading results
     round_s: float = 0.0
     rounds: int = 0
     per_n: dict = field(default_factory=dict)
@@ -74,20 +75,43 @@ def _col(rows: list[Row], name: str, device, dtype=torch.float32) -> torch.Tenso
     return torch.tensor([getattr(r, name) for r in rows], dtype=dtype, device=device)  # [R]
 
 
+def _param(rows: list[Row], name: str, device, dtype=torch.float32):
+    """A sampling parameter for `logits_to_probs`: a Python scalar when every row agrees (the
+    transform then skips per-row broadcasting, and top-k/top-p skip their sorts when off), else
+    a `[R]` tensor."""
+    values = [getattr(r, name) for r in rows]
+    if all(v == values[0] for v in values):
+        return values[0]
+    return torch.tensor(values, dtype=dtype, device=device)  # [R]
+
+
+_PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward (bounds the [R, P, P] mask)
+
+
 @torch.inference_mode()
-def prefill(models: Models, row: Row) -> None:
-    """Fill the caches with `prompt[:-1]` (the last prompt token is the first round's pending input)."""
-    ctx = row.seq[:-1]
-    row.tlen = row.dlen = len(ctx)
-    if not ctx:
-        return
+def prefill(models: Models, rows: list[Row]) -> None:
+    """Fill the caches with each row's `prompt[:-1]` (the last prompt token is the first round's
+    pending input). Rows admitted together share one right-padded forward per model: padding
+    lands past each row's length, where it is masked out and later overwritten."""
     dev = models.device
-    tokens = torch.tensor([ctx], dtype=torch.long, device=dev)  # [1, P-1]
-    slot = torch.tensor([row.slot], device=dev)
-    start = torch.zeros(1, dtype=torch.long, device=dev)
-    models.target(tokens, slot, start, models.target_cache)
-    if row.num_draft:
-        models.draft(tokens, slot, start, models.draft_cache)
+    todo = [row for row in rows if len(row.seq) > 1]
+    for row in rows:
+        row.tlen = row.dlen = len(row.seq) - 1
+    todo.sort(key=lambda row: len(row.seq))
+    while todo:
+        group = [todo.pop()]  # longest first; add rows while the padded batch fits the budget
+        while todo and (len(group) + 1) * (len(group[0].seq) - 1) <= _PREFILL_TOKEN_BUDGET:
+            group.append(todo.pop())
+        width = len(group[0].seq) - 1
+        padded = [row.seq[:-1] + [0] * (width - len(row.seq) + 1) for row in group]
+        tokens = torch.tensor(padded, dtype=torch.long, device=dev)  # [R, P]
+        slots = torch.tensor([row.slot for row in group], device=dev)  # [R]
+        starts = torch.zeros(len(group), dtype=torch.long, device=dev)  # [R]
+        models.target(tokens, slots, starts, models.target_cache)
+        spec = [i for i, row in enumerate(group) if row.num_draft]
+        if spec:
+            idx = torch.tensor(spec, device=dev)
+            models.draft(tokens[idx], slots[idx], starts[idx], models.draft_cache)
 
 
 @torch.inference_mode()
@@ -98,8 +122,9 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> No
     t0 = time.perf_counter()
     slots = torch.tensor([row.slot for row in rows], device=dev)  # [R]
     greedy = _col(rows, "greedy", dev, torch.bool)  # [R]
-    temp, top_k, top_p = _col(rows, "temperature", dev), _col(rows, "top_k", dev, torch.long), None
-    top_p = _col(rows, "top_p", dev)
+    temp = _param(rows, "temperature", dev)
+    top_k, top_p = _param(rows, "top_k", dev, torch.long), _param(rows, "top_p", dev)
+    contiguous = [row.slot for row in rows] == list(range(r))
     coins = torch.stack([row.uniforms(2 * n + 1) for row in rows]).to(dev)  # [R, 2N+1]
     u_draft, u_verify = coins[:, :n], coins[:, n:]  # [R, N], [R, N+1]
 
@@ -111,7 +136,7 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> No
         padded = [p + [p[-1]] * (width - len(p)) for p in pending]
         tokens = torch.tensor(padded, dtype=torch.long, device=dev)  # [R, T0]
         starts = torch.tensor([row.dlen for row in rows], dtype=torch.long, device=dev)  # [R]
-        hidden = models.draft(tokens, slots, starts, models.draft_cache)  # [R, T0, Hd]
+        hidden = models.draft(tokens, slots, starts, models.draft_cache, contiguous)  # [R, T0, Hd]
         last = torch.tensor([len(p) - 1 for p in pending], device=dev)  # [R]
         h = hidden[torch.arange(r, device=dev), last]  # [R, Hd]
         base = torch.tensor([len(row.seq) for row in rows], dtype=torch.long, device=dev)  # [R]
@@ -122,7 +147,7 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> No
             draft_probs.append(q)
             h_draft.append(h)
             if i < n - 1:  # the last proposal is never fed: its state would be rolled back or unused
-                h = models.draft(x.view(-1, 1), slots, base + i, models.draft_cache)[:, 0]  # [R, Hd]
+                h = models.draft(x.view(-1, 1), slots, base + i, models.draft_cache, contiguous)[:, 0]
         timers.draft_forwards += n
     _sync(dev)
     t1 = time.perf_counter()
@@ -133,8 +158,10 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> No
     x_all = torch.stack(draft_tokens, 1) if n else last_tok.new_zeros(r, 0)  # [R, N]
     verify_in = torch.cat([last_tok, x_all], dim=1)  # [R, N+1]
     tstarts = torch.tensor([row.tlen for row in rows], dtype=torch.long, device=dev)  # [R]
-    h_target = models.target(verify_in, slots, tstarts, models.target_cache)  # [R, N+1, Ht]
-    target_logits = models.target.logits(h_target)  # [R, N+1, V]
+    h_target = models.target(verify_in, slots, tstarts, models.target_cache, contiguous)  # [R, N+1, Ht]
+    # p goes through the same transform as q; autoregressive decoding needs it too, so it is
+    # counted with the target forward, not with verification.
+    p = logits_to_probs(models.target.logits(h_target), temp, top_k, top_p)  # [R, N+1, V]
     _sync(dev)
     t2 = time.perf_counter()
     if n:
@@ -144,9 +171,19 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> No
         timers.target_forward_s += t2 - t1
         timers.target_forwards += 1
 
+    if not n:  # autoregressive rows: sample p directly (what verify does with N = 0, minus checks)
+        first = p[:, 0]  # [R, V]
+        picks = torch.where(greedy, first.argmax(-1), sample_inverse_cdf(first, u_verify[:, 0]))  # [R]
+        for row, tok in zip(rows, picks.tolist(), strict=True):
+            row.record_round(0, [])
+            row.tlen = len(row.seq)
+            row.emit_tokens([tok])
+        timers.round_s += time.perf_counter() - t0
+        timers.rounds += 1
+        return
+
     # 3. Verify the whole group at once.
-    p = logits_to_probs(target_logits, temp, top_k, top_p)  # [R, N+1, V]
-    q_all = torch.stack(draft_probs, 1) if n else p.new_zeros(r, 0, p.shape[-1])  # [R, N, V]
+    q_all = torch.stack(draft_probs, 1)  # [R, N, V]
     weights = _col(rows, "weight", dev).view(-1, 1).expand(r, n).clone()  # [R, N]
     learned = [i for i, row in enumerate(rows) if row.learned]
     if n and learned:
