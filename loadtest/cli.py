@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -27,7 +28,7 @@ import httpx
 
 from loadtest.client import RequestOptions, RequestSpec
 from loadtest.prompts import PromptError, load_prompts
-from loadtest.runner import run_phase
+from loadtest.runner import PhaseResult, run_phase
 from loadtest.schedule import LoadShape, parse_sweep
 from loadtest.scrape import delta, scrape
 from loadtest.summary import summarize_phase
@@ -200,7 +201,29 @@ def _plan(args, prompts, tiers) -> list[RequestSpec]:
     ]
 
 
-async def _run_phases(args, url, opts, plan, shapes, tiers, console) -> tuple[str, list[dict]]:
+@dataclass
+class _State:
+    """What the run has so far, kept outside the event loop so Ctrl-C still writes a report."""
+
+    model: str | None = None
+    phases: list[dict] = field(default_factory=list)
+    shape: LoadShape | None = None  # the phase under way
+    records: list = field(default_factory=list)  # its finished requests
+    start: float = 0.0
+
+
+def _interrupted_phase(state: _State, planned: int, tier_order: list[str]) -> dict | None:
+    """The phase under way at Ctrl-C, from the requests that had finished (in-flight ones are lost)."""
+    if state.shape is None or not state.records:
+        return None
+    records = sorted(state.records, key=lambda r: r.index)
+    result = PhaseResult(state.shape, records, time.perf_counter() - state.start, planned, "interrupted")
+    phase = summarize_phase(result, None, "run interrupted (Ctrl-C)", tier_order)
+    phase["records"] = [r.to_json() for r in records]
+    return phase
+
+
+async def _run_phases(args, url, opts, plan, shapes, tiers, console, state: _State) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from loadtest.render import print_phase
@@ -208,11 +231,11 @@ async def _run_phases(args, url, opts, plan, shapes, tiers, console) -> tuple[st
     metrics_url = args.metrics_url or f"{url}/metrics"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = httpx.Timeout(args.request_timeout, connect=min(10.0, args.request_timeout))
-    phases = []
     async with httpx.AsyncClient(
         base_url=url, headers=headers, transport=make_transport(), timeout=timeout, trust_env=False
     ) as client:
         opts = RequestOptions(**{**opts.__dict__, "model": await preflight(client, url, opts.model)})
+        state.model = opts.model
         console.print(
             f"loadtest: {url} model={opts.model} endpoint={opts.endpoint} requests<={len(plan)} "
             f"duration<={args.duration:g}s tiers={format_tier_mix(tiers)}",
@@ -221,6 +244,7 @@ async def _run_phases(args, url, opts, plan, shapes, tiers, console) -> tuple[st
         for shape in shapes:
             before, err = (None, "--no-metrics") if args.no_metrics else await scrape(client, metrics_url)
             failed = 0
+            state.shape, state.records, state.start = shape, [], time.perf_counter()
             with Progress(
                 TextColumn(f"[bold]{shape.label}"),
                 BarColumn(),
@@ -236,6 +260,7 @@ async def _run_phases(args, url, opts, plan, shapes, tiers, console) -> tuple[st
                 def on_done(rec, task=task, progress=progress):
                     nonlocal failed
                     failed += 0 if rec.ok else 1
+                    state.records.append(rec)
                     progress.update(task, advance=1, failed=failed)
 
                 result = await run_phase(client, plan, opts, shape, args.duration, args.seed, on_done)
@@ -246,8 +271,8 @@ async def _run_phases(args, url, opts, plan, shapes, tiers, console) -> tuple[st
             phase = summarize_phase(result, d, err, [t.name for t in tiers])
             phase["records"] = [r.to_json() for r in result.records]
             print_phase(console, phase)
-            phases.append(phase)
-    return opts.model, phases
+            state.phases.append(phase)
+            state.shape = None
 
 
 def _write(args, out_dir: Path, config: dict, phases: list[dict]) -> list[Path]:
@@ -296,10 +321,24 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 132)
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
-    model, phases = asyncio.run(_run_phases(args, url, opts, plan, shapes, tiers, console))
+    state = _State(model=args.model)
+    interrupted = False
+    try:
+        asyncio.run(_run_phases(args, url, opts, plan, shapes, tiers, console, state))
+    except KeyboardInterrupt:
+        interrupted = True
+        partial = _interrupted_phase(state, len(plan), [t.name for t in tiers])
+        if partial is not None:
+            from loadtest.render import print_phase
+
+            print_phase(console, partial)
+            state.phases.append(partial)
+    phases = state.phases
+    if not phases:
+        return 130
     config = {
         "url": url,
-        "model": model,
+        "model": state.model,
         "endpoint": args.endpoint,
         "shapes": [s.label for s in shapes],
         "num_requests": args.num_requests,
@@ -322,6 +361,8 @@ def run(args: argparse.Namespace) -> int:
 
         console.print(sweep_table(phases))
     console.print(f"loadtest: wrote {', '.join(p.name for p in written)} to {out_dir}", highlight=False)
+    if interrupted:
+        return 130
     if all(p["completed"] == 0 for p in phases):
         console.print("loadtest: every request failed; see the failure kinds above", highlight=False)
         return 1

@@ -31,7 +31,8 @@ def _line(label: str, value) -> str:
 
 def benchmark_block(phase: dict) -> str:
     """The plain-text block for one phase (also what the tests read)."""
-    lines = [f"{' Serving Benchmark Result (' + phase['label'] + ') ':=^{WIDTH}}"]
+    title = phase["label"] + (", interrupted" if phase.get("stopped_by") == "interrupted" else "")
+    lines = [f"{' Serving Benchmark Result (' + title + ') ':=^{WIDTH}}"]
     lines.append(_line("Successful requests:", phase["completed"]))
     lines.append(_line("Failed requests:", phase["failed"]))
     for kind, count in phase["failures"].items():

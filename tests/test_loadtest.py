@@ -386,7 +386,7 @@ def _check_consistency(phase: dict, records: list[dict]) -> None:
             assert tier["metrics_mean_accepted_length"] == pytest.approx(spec["mean_accepted_length"])
 
 
-def test_live_gateway_tier_mix_sweep(tmp_path):
+def test_live_gateway_tier_mix_sweep(tmp_path, capsys):
     engine = ScriptedEngine(step_delay=0.002, max_batch=4)
     app = create_app(engine, GatewaySettings())
     with live_server(app) as srv:
@@ -398,6 +398,16 @@ def test_live_gateway_tier_mix_sweep(tmp_path):
         after = httpx.get(srv.url + "/metrics").text
     phases = report["phases"]
     assert [p["label"] for p in phases] == ["concurrency=1", "concurrency=4"]
+    shown = capsys.readouterr().out
+    for line in (
+        "Serving Benchmark Result (concurrency=4)",
+        "Successful requests:",
+        "P99 TTFT (ms):",
+        "Acceptance length:",
+        "/metrics delta vs responses:                 match",
+        "Sweep",
+    ):
+        assert line in shown
     for phase in phases:
         recs = [r for r in report["records"] if r["phase"] == phase["label"]]
         _check_consistency(phase, recs)
