@@ -11,7 +11,12 @@ import importlib
 import sys
 
 # Modules that provide subcommands (added as features land).
-SUBCOMMAND_MODULES: list[str] = ["server.engine.bench", "server.gateway.serve", "training.commands"]
+SUBCOMMAND_MODULES: list[str] = [
+    "server.engine.bench",
+    "server.gateway.serve",
+    "loadtest.cli",
+    "training.commands",
+]
 
 
 class CLIError(Exception):
