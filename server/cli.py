@@ -16,6 +16,7 @@ SUBCOMMAND_MODULES: list[str] = [
     "server.gateway.serve",
     "loadtest.cli",
     "training.commands",
+    "training.pair_cli",
 ]
 
 

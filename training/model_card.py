@@ -1,0 +1,113 @@
+"""Write the shipped pair's metadata: `pair.json`, `MODEL_CARD.md` and `SHA256SUMS`.
+
+Everything in the card is read from the training summaries (`<role>/training.json`) and from a
+`training.scorecard.score_pair` result, so the card cannot drift from what was measured.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from training.embedded_pair import write_checksums
+from training.scorecard import NUM_DRAFT, SLICE_N
+from training.tasks import TASKS
+
+PAIR_NAME = "dialspec-embedded"
+
+
+def _size_mb(path: Path) -> float:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) / 1e6
+
+
+def write_pair_files(pair_dir: Path, scores: dict) -> dict:
+    pair_dir = Path(pair_dir)
+    train = {r: json.loads((pair_dir / r / "training.json").read_text()) for r in ("target", "draft")}
+    meta = {
+        "name": PAIR_NAME,
+        "num_draft": NUM_DRAFT,
+        "target_params": train["target"]["parameters"],
+        "draft_params": train["draft"]["parameters"],
+        "dtype": "bfloat16",
+        "scores": scores["scores"],
+        "acceptance": scores["acceptance"]["overall"]["acceptance"],
+        "slice": {"task": "math", "n": SLICE_N, **scores["slice"]},
+    }
+    (pair_dir / "pair.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (pair_dir / "MODEL_CARD.md").write_text(render_card(pair_dir, meta, train, scores))
+    write_checksums(pair_dir)
+    return meta
+
+
+def render_card(pair_dir: Path, meta: dict, train: dict, scores: dict) -> str:
+    s, acc = scores["scores"], scores["acceptance"]
+    rows = "\n".join(
+        f"| {t} | {TASKS[t].metric} | {s['target'][t]:.3f} | {s['draft'][t]:.3f} |" for t in TASKS
+    )
+    acc_rows = "\n".join(
+        f"| {t} | {a['accepted']} / {a['proposed']} | {a['acceptance']:.3f} |"
+        for t, a in acc["per_task"].items()
+    )
+    o = acc["overall"]
+
+    def arch(role: str) -> str:
+        sp, tr = train[role]["spec"], train[role]
+        return (
+            f"| {role} | {tr['parameters'] / 1e6:.2f}M | {sp['layers']} | {sp['hidden']} | "
+            f"{sp['heads']}/{sp['kv_heads']} | {sp['ffn']} | {tr['steps']} | {tr['tokens'] / 1e6:.2f}M | "
+            f"{tr['final_loss']:.3f} | {tr['seconds'] / 60:.1f} min | {_size_mb(pair_dir / role):.1f} MB |"
+        )
+
+    return f"""# {meta["name"]} — dialspec's embedded draft/target pair
+
+A from-scratch `LlamaForCausalLM` pair (bf16 safetensors, one shared byte-level BPE tokenizer with
+digits split individually, chat template `<|user|>\\n...\\n<|assistant|>\\n`, completions end with
+`<|eos|>`) trained on dialspec's generated three-task suite. It exists so that dialspec runs,
+and is measured, with no GPU and no model hub. It is a toy: it knows only these task formats.
+
+## Models
+
+| role | params | layers | hidden | heads/kv | ffn | steps | train tokens | final loss | train time | size |
+|---|---|---|---|---|---|---|---|---|---|---|
+{arch("target")}
+{arch("draft")}
+
+Draft/target parameter ratio: {meta["draft_params"] / meta["target_params"]:.3f}.
+
+## Data
+
+`training/tasks/` generates every example from seeds; an example's split (train 90% / dev 5% /
+test 5% of prompt-hash space) is a hash of its prompt, so splits are disjoint by construction.
+- `math`: 2-3 step word problems, operands 1-9, totals 0-60, worked solution ending `#### <n>`.
+- `summary`: news-like article (3 key facts + 2 numeric distractors, shuffled) -> one sentence.
+- `code`: spec from 8 templated families -> a one-line Python function; 4 hidden asserts.
+Training mixture math/summary/code = 0.6/0.2/0.2, loss on completion tokens only.
+
+## Scores (test split, first {scores["n"]} examples per task, greedy, fp32)
+
+| task | metric | target | draft |
+|---|---|---|---|
+{rows}
+
+Reproducibility slice (tests/test_embedded_pair.py): greedy on the first {SLICE_N} math test problems,
+target {sum(meta["slice"]["target"])}/{SLICE_N}, draft {sum(meta["slice"]["draft"])}/{SLICE_N}.
+
+## Speculative acceptance (lossless, w = 1, temperature 1, N = {NUM_DRAFT})
+
+Measured with `training.spec_reference` (reference loop over `verifier.verify`) on the first
+{scores["accept_n"]} test prompts per task; acceptance = accepted drafts / proposed drafts.
+
+| task | accepted / proposed | acceptance |
+|---|---|---|
+{acc_rows}
+| **all** | {o["accepted"]} / {o["proposed"]} | **{o["acceptance"]:.3f}** |
+
+## Reproduce
+
+    dialspec pair train --out models/embedded     # tokenizer + draft + target, then scores this card
+    dialspec pair score --pair models/embedded    # re-measure scores and acceptance only
+
+Training is seeded, but its schedule also respects a wall-clock budget (see `training/recipe.py`),
+so a much slower or faster machine takes a different number of steps and lands on slightly
+different scores. `SHA256SUMS` covers every file; `training.embedded_pair.verify_pair()` checks it.
+"""

@@ -1,0 +1,110 @@
+"""`dialspec pair ...` and `dialspec tasks ...`: retrain, re-score and export the embedded pair's data.
+
+dialspec pair train [--out DIR] [--minutes M]   tokenizer + draft + target, scores, card, checksums
+dialspec pair score [--pair DIR] [--n N]         re-measure scores and acceptance, rewrite the card
+dialspec pair verify [--pair DIR]                check SHA256SUMS
+dialspec tasks export --task T --split S [--n N] [--out FILE]   JSONL of generated examples
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from server.cli import CLIError
+from training.embedded_pair import EMBEDDED_PAIR_DIR, PairIntegrityError, verify_pair
+from training.tasks import SPLITS, TASKS, load
+
+
+def _train(args) -> int:
+    from training.model_card import write_pair_files
+    from training.recipe import RecipeConfig, run
+    from training.scorecard import score_pair
+
+    if args.minutes is not None and args.minutes <= 1:
+        raise CLIError(f"--minutes must be > 1 (got {args.minutes}); the default budget is ~55 minutes")
+    cfg = RecipeConfig()
+    if args.minutes is not None:  # split the budget like the default: ~1/6 draft, ~5/6 target
+        cfg = dataclasses.replace(
+            cfg,
+            draft_train=dataclasses.replace(cfg.draft_train, minutes=args.minutes / 6),
+            target_train=dataclasses.replace(cfg.target_train, minutes=args.minutes * 5 / 6),
+        )
+    out = Path(args.out)
+    run(out, cfg)
+    meta = write_pair_files(out, score_pair(out))
+    print(json.dumps({k: meta[k] for k in ("name", "scores", "acceptance")}, indent=1))
+    return 0
+
+
+def _score(args) -> int:
+    from training.model_card import write_pair_files
+    from training.scorecard import score_pair
+
+    pair = Path(args.pair)
+    if not (pair / "target").is_dir() or not (pair / "draft").is_dir():
+        raise CLIError(f"{pair} has no target/ and draft/ model dirs; train one with `dialspec pair train`")
+    meta = write_pair_files(pair, score_pair(pair, n=args.n))
+    print(json.dumps({k: meta[k] for k in ("name", "scores", "acceptance")}, indent=1))
+    return 0
+
+
+def _verify(args) -> int:
+    try:
+        paths = verify_pair(args.pair)
+    except PairIntegrityError as exc:
+        raise CLIError(str(exc)) from None
+    print(f"ok: {paths.name} (target {paths.target}, draft {paths.draft})")
+    return 0
+
+
+def _export(args) -> int:
+    if args.n < 1:
+        raise CLIError(f"--n must be >= 1 (got {args.n})")
+    out = open(args.out, "w") if args.out else sys.stdout  # noqa: SIM115 -- stdout is not ours to close
+    try:
+        for e in load(args.task, args.split, args.n, seed=args.seed):
+            out.write(
+                json.dumps(
+                    {
+                        "uid": e.uid,
+                        "task": e.task,
+                        "prompt": e.prompt,
+                        "reference": e.reference,
+                        "meta": e.meta,
+                    }
+                )
+                + "\n"
+            )
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0
+
+
+def register(subparsers) -> None:
+    pair = subparsers.add_parser("pair", help="train, score or verify the embedded draft/target pair")
+    psub = pair.add_subparsers(dest="pair_command", metavar="ACTION", required=True)
+    train = psub.add_parser("train", help="retrain tokenizer, draft and target; write card and checksums")
+    train.add_argument("--out", default=str(EMBEDDED_PAIR_DIR), help="output dir (default: the shipped pair)")
+    train.add_argument("--minutes", type=float, default=None, help="wall-clock training budget (default ~53)")
+    train.set_defaults(func=_train)
+    score = psub.add_parser("score", help="re-measure test scores and acceptance; rewrite card")
+    score.add_argument("--pair", default=str(EMBEDDED_PAIR_DIR))
+    score.add_argument("--n", type=int, default=100, help="test examples per task")
+    score.set_defaults(func=_score)
+    ver = psub.add_parser("verify", help="check the pair's SHA256SUMS")
+    ver.add_argument("--pair", default=str(EMBEDDED_PAIR_DIR))
+    ver.set_defaults(func=_verify)
+
+    tasks = subparsers.add_parser("tasks", help="the generated task suite")
+    tsub = tasks.add_subparsers(dest="tasks_command", metavar="ACTION", required=True)
+    export = tsub.add_parser("export", help="write generated examples as JSONL")
+    export.add_argument("--task", choices=sorted(TASKS), required=True)
+    export.add_argument("--split", choices=SPLITS, default="test")
+    export.add_argument("--n", type=int, default=100)
+    export.add_argument("--seed", type=int, default=0)
+    export.add_argument("--out", default=None, help="file (default stdout)")
+    export.set_defaults(func=_export)

@@ -1,0 +1,79 @@
+"""Measure a trained pair: per-task test scores for both models, and speculative acceptance.
+
+`score_pair(dir)` returns the dict the model card and `pair.json` are written from:
+    scores[role][task]    mean test-split score (greedy, fp32) on the first `n` test examples
+    slice                 per-example greedy math results on the first `SLICE_N` test problems,
+                          which tests recompute exactly (see tests/test_embedded_pair.py)
+    acceptance            lossless (w = 1) speculative acceptance at T = 1, N = 5, per task and
+                          pooled, from `training.spec_reference` on the first `accept_n` test prompts
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from training.data import encode
+from training.evaluate import score_task
+from training.spec_reference import AcceptanceStats, measure_acceptance
+from training.tasks import TASKS, load
+
+SLICE_N = 20
+NUM_DRAFT = 5
+SEED = 0
+
+
+def load_model(path: Path):
+    """Load in float32: bf16 storage, fp32 math, so greedy results do not hinge on bf16 rounding."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def math_slice(model, tokenizer) -> list[int]:
+    """Greedy correctness (0/1) on the first SLICE_N math test problems, one batch."""
+    examples = load("math", "test", SLICE_N, seed=SEED)
+    return [int(s) for s in score_task(model, tokenizer, examples, batch=SLICE_N).scores]
+
+
+def score_pair(pair_dir: Path, n: int = 100, accept_n: int = 24, log=print) -> dict:
+    pair_dir = Path(pair_dir)
+    tokenizer = AutoTokenizer.from_pretrained(pair_dir / "target")
+    models = {role: load_model(pair_dir / role) for role in ("target", "draft")}
+    result: dict = {"scores": {}, "slice": {}, "n": n, "accept_n": accept_n}
+    for role, model in models.items():
+        result["scores"][role] = {}
+        for task in TASKS:
+            t0 = time.time()
+            ts = score_task(model, tokenizer, load(task, "test", n, seed=SEED))
+            result["scores"][role][task] = round(ts.mean, 4)
+            log(f"{role} {task}: {ts.mean:.4f} ({time.time() - t0:.0f}s)")
+        result["slice"][role] = math_slice(model, tokenizer)
+    per_task, total = {}, AcceptanceStats(0, 0, 0, 0)
+    for task in TASKS:
+        t0 = time.time()
+        prompts = [e.prompt for e in encode(tokenizer, load(task, "test", accept_n, seed=SEED))]
+        stats = measure_acceptance(
+            models["target"],
+            models["draft"],
+            prompts,
+            eos_id=tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id,
+            num_draft=NUM_DRAFT,
+            temperature=1.0,
+            seed=SEED,
+        )
+        per_task[task] = stats.as_dict()
+        total = AcceptanceStats(
+            *(getattr(total, f) + getattr(stats, f) for f in ("proposed", "accepted", "rounds", "emitted"))
+        )
+        log(f"acceptance {task}: {stats.rate:.4f} ({time.time() - t0:.0f}s)")
+    result["acceptance"] = {
+        "per_task": per_task,
+        "overall": total.as_dict(),
+        "temperature": 1.0,
+        "num_draft": NUM_DRAFT,
+        "weight": 1.0,
+    }
+    return result
