@@ -163,7 +163,9 @@ class LiveServer:
     def __init__(self, app, startup_timeout: float = 120.0):
         import uvicorn
 
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        from server.gateway.serve import tcp_socket
+
+        self.sock = tcp_socket("127.0.0.1")
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))  # bound here and handed over: no race for the port
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
