@@ -1,0 +1,62 @@
+"""dialspec's SGLang plugin: ensemble (DIVERSED) verification for STANDALONE speculative decoding.
+
+SGLang discovers `register` through the entry-point group `sglang.srt.plugins` (pyproject) and
+calls it in every process (launcher, engine, scheduler) before serving. It registers nothing
+unless `DIALSPEC_SGLANG_PLUGIN=1`, so an installed-but-inactive plugin leaves SGLang stock.
+
+Hooks (HookRegistry targets, SGLang 0.5.23):
+    args_hook.TARGET          AROUND  STANDALONE + rejection sampling allowed; bad settings refused
+    verify_hooks.EAGLE_SAMPLE AROUND  per-row w from custom_params; greedy rows -> argmax ν
+    verify_hooks.CHAIN_KERNEL AROUND  target probs at draft slots := ν = w·p + (1−w)·q
+    verify_hooks.DRAFT_FORWARD, GRAPH_VARIANT  AROUND  keep q for all-greedy batches
+    learned_head (only with DIALSPEC_HEAD_PATH): AFTER ModelRunner.load_model, capture states
+"""
+
+from __future__ import annotations
+
+import logging
+
+from server.sglang_plugin.params import settings_from_env
+
+logger = logging.getLogger(__name__)
+
+LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
+
+
+def hook_specs(settings=None) -> list[tuple[str, object, str]]:
+    """`(target, hook, hook type name)` for every hook the plugin would register."""
+    from server.sglang_plugin import args_hook, verify_hooks
+
+    settings = settings or settings_from_env()
+    head = None
+    specs = []
+    if settings.head_path:
+        from server.sglang_plugin.learned_head import LearnedHead, load_head, make_load_model_hook
+
+        head = LearnedHead(load_head(settings.head_path))
+        specs.append((LOAD_MODEL, make_load_model_hook(head), "AFTER"))
+    specs += [
+        (args_hook.TARGET, args_hook.handle_eagle_family_around, "AROUND"),
+        (verify_hooks.EAGLE_SAMPLE, verify_hooks.make_eagle_sample_hook(settings, head), "AROUND"),
+        (verify_hooks.CHAIN_KERNEL, verify_hooks.chain_kernel_around, "AROUND"),
+        (verify_hooks.DRAFT_FORWARD, verify_hooks.draft_forward_around, "AROUND"),
+        (verify_hooks.GRAPH_VARIANT, verify_hooks.graph_variant_around, "AROUND"),
+    ]
+    return specs
+
+
+def register() -> None:
+    """Entry point called by `sglang.srt.plugins.load_plugins`. No-op unless enabled.
+
+    A bad DIALSPEC_DEFAULT_W raises here; SGLang logs plugin exceptions rather than stopping, so
+    the same check runs again in the argument hook, where raising does stop startup.
+    """
+    settings = settings_from_env()
+    if not settings.enabled:
+        logger.debug("dialspec SGLang plugin inactive (set DIALSPEC_SGLANG_PLUGIN=1)")
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook, kind in hook_specs(settings):
+        HookRegistry.register(target, hook, HookType[kind])
+    logger.info("dialspec SGLang plugin active: default w=%s", settings.default_w)

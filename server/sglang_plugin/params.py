@@ -1,0 +1,109 @@
+"""Per-request dialspec parameters as they travel inside SGLang, and the plugin's server settings.
+
+A request carries its dial in `sampling_params.custom_params` (a JSON dict SGLang passes through
+`/generate` and the OpenAI endpoints untouched), under these keys:
+
+    dialspec_w        float in [0, 1]: ensemble weight on the target (1 = lossless).
+    dialspec_mode     "speculative" (default) or "autoregressive". SGLang's speculative mode is
+                      server-wide, so "autoregressive" is served as w = 1: the output
+                      distribution is then exactly the target's, which is what the mode means.
+    dialspec_learned  bool: use the learned head's per-token w_t (dialspec_w is then the dial
+                      input handed to the head).
+
+Server settings come from environment variables so that every SGLang process (launcher,
+scheduler subprocesses) sees the same values without extra CLI flags:
+
+    DIALSPEC_SGLANG_PLUGIN   "1" turns the plugin on; anything else leaves SGLang stock.
+    DIALSPEC_DEFAULT_W       default w for requests that send none (default 1.0, lossless).
+    DIALSPEC_HEAD_PATH       optional TorchScript file of the learned head (see learned_head.py).
+
+No SGLang or torch import: this module is read by the launcher CLI too.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ENV_ENABLE = "DIALSPEC_SGLANG_PLUGIN"
+ENV_DEFAULT_W = "DIALSPEC_DEFAULT_W"
+ENV_HEAD_PATH = "DIALSPEC_HEAD_PATH"
+KEY_W = "dialspec_w"
+KEY_MODE = "dialspec_mode"
+KEY_LEARNED = "dialspec_learned"
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    enabled: bool
+    default_w: float = 1.0
+    head_path: str | None = None
+
+
+def _parse_w(raw: Any) -> float | None:
+    """A valid weight, or None. Booleans are rejected (JSON true is not a weight)."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        return None
+    try:
+        w = float(raw)
+    except ValueError:
+        return None
+    return w if math.isfinite(w) and 0.0 <= w <= 1.0 else None
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> PluginSettings:
+    """Read the plugin settings; a malformed default weight is a startup error, not a guess."""
+    env = os.environ if environ is None else environ
+    enabled = env.get(ENV_ENABLE, "").strip().lower() in ("1", "true", "yes", "on")
+    raw_w = env.get(ENV_DEFAULT_W, "1.0")
+    default_w = _parse_w(raw_w)
+    if default_w is None:
+        raise ValueError(f"{ENV_DEFAULT_W}={raw_w!r}: expected a number in [0, 1]")
+    return PluginSettings(enabled=enabled, default_w=default_w, head_path=env.get(ENV_HEAD_PATH) or None)
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """What the verify step needs from one request."""
+
+    weight: float
+    learned: bool
+
+
+def row_params(custom_params: Mapping[str, Any] | None, default_w: float) -> RowParams:
+    """Extract one request's dial. Bad values fall back to the server default (logged once per
+    call site, not raised: the gateway validates, and a verify step must never fail a batch)."""
+    if not custom_params:
+        return RowParams(weight=default_w, learned=False)
+    if custom_params.get(KEY_MODE) == "autoregressive":
+        return RowParams(weight=1.0, learned=False)
+    w = default_w
+    if KEY_W in custom_params:
+        parsed = _parse_w(custom_params[KEY_W])
+        if parsed is None:
+            logger.warning("dialspec: ignoring invalid %s=%r", KEY_W, custom_params[KEY_W])
+        else:
+            w = parsed
+    return RowParams(weight=w, learned=bool(custom_params.get(KEY_LEARNED, False)))
+
+
+def batch_row_params(reqs: Sequence[Any], default_w: float) -> list[RowParams]:
+    """Row i's params from `reqs[i].sampling_params.custom_params` (SGLang's `Req` objects)."""
+    out = []
+    for req in reqs:
+        sp = getattr(req, "sampling_params", None)
+        out.append(row_params(getattr(sp, "custom_params", None), default_w))
+    return out
+
+
+def custom_params_for(weight: float, mode: str = "speculative", learned: bool = False) -> dict:
+    """The `custom_params` dict a client sends (used by the gateway's SGLang engine)."""
+    if _parse_w(weight) is None:
+        raise ValueError(f"weight must be a number in [0, 1], got {weight!r}")
+    return {KEY_W: float(weight), KEY_MODE: mode, KEY_LEARNED: bool(learned)}

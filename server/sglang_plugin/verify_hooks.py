@@ -1,0 +1,121 @@
+"""Runtime hooks on SGLang 0.5.23's speculative verify step (scheduler process, GPU).
+
+Data flow for one verify step of a batch of B requests with N drafts each:
+
+    run_eagle_verify -> eagle_sample(verify_input, batch, logits_output, ...)   [hooked: AROUND]
+        reads batch.reqs[i].sampling_params.custom_params -> w [B] (or [B, N] from the head)
+        greedy rows (top_k == 1): target logits at draft slots := log ν   (in place)
+        publishes the kernel weights for this step (greedy rows: 1, already handled)
+      -> chain_speculative_sampling_triton(target_probs=..., draft_probs=..., ...)   [AROUND]
+        target_probs[:, :N] := ν = w·p + (1−w)·q   (see ensemble.py), then the stock kernel
+
+The two hooks talk through a thread-local because the kernel call sits inside eagle_sample and
+receives no batch; a scheduler runs one verify at a time per thread.
+
+All-greedy batches: stock SGLang skips building q for them (`EagleDraftWorker.draft_forward` and
+the draft CUDA graph's greedy variant), but argmax ν needs q. Two more hooks keep q: the draft
+forward sees `is_all_greedy = False` (greedy rows still propose their argmax, because
+`sample_draft_proposal` honours top_k == 1 per row) and the draft graph runner replays the
+non-greedy variant.
+
+Nothing here imports SGLang at module import; hooks run only inside SGLang's processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from server.sglang_plugin.ensemble import greedy_nu_logits, mix_target_probs
+from server.sglang_plugin.params import PluginSettings, batch_row_params
+
+logger = logging.getLogger(__name__)
+
+EAGLE_SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
+CHAIN_KERNEL = "sglang.kernels.ops.speculative.reject_sampling.chain_speculative_sampling_triton"
+DRAFT_FORWARD = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft_forward"
+GRAPH_VARIANT = (
+    "sglang.srt.speculative.eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner._sampling_variant"
+)
+
+_step = threading.local()  # .weights: [B] or [B, N] tensor for the kernel hook, else None
+
+
+def _is_standalone() -> bool:
+    from sglang.srt.runtime_context import get_spec
+
+    return get_spec().speculative_algorithm == "STANDALONE"
+
+
+def row_weights(
+    batch: Any, settings: PluginSettings, device: torch.device, num_draft: int, head=None
+) -> torch.Tensor:
+    """`[B]` static weights from the batch's requests, or `[B, N]` when a learned head is on and
+    some row asked for it (rows that did not keep their static w)."""
+    params = batch_row_params(batch.reqs, settings.default_w)
+    static = torch.tensor([p.weight for p in params], dtype=torch.float32, device=device)  # [B]
+    if head is None or not any(p.learned for p in params):
+        return static
+    learned_rows = torch.tensor([p.learned for p in params], device=device)  # [B]
+    w_t = head.weights(static, num_draft)  # [B, N]
+    return torch.where(learned_rows.unsqueeze(1), w_t, static.unsqueeze(1).expand_as(w_t))
+
+
+def make_eagle_sample_hook(settings: PluginSettings, head=None) -> Callable:
+    def eagle_sample_around(original_fn, verify_input, batch, logits_output, *args, **kwargs):
+        if batch.forward_mode.is_idle() or not _is_standalone():
+            return original_fn(verify_input, batch, logits_output, *args, **kwargs)
+        bs = len(batch.reqs)
+        n1 = verify_input.draft_token_num  # N + 1 slots
+        logits = logits_output.next_token_logits  # [B*(N+1), V]
+        w = row_weights(batch, settings, logits.device, n1 - 1, head)  # [B] or [B, N]
+        w2 = w if w.dim() == 2 else w.unsqueeze(1).expand(bs, n1 - 1)  # [B, N]
+        q = verify_input.draft_probs  # [B, N, V] or None
+        greedy = (batch.sampling_info.top_ks <= 1).view(-1).to(logits.device)  # [B]
+        if bool(greedy.any()):
+            if q is None:
+                logger.warning("dialspec: no draft probs for greedy rows; verifying them losslessly")
+            else:
+                if getattr(batch, "return_logprob", False):
+                    logits = logits_output.next_token_logits = logits.clone()  # keep logprobs of p
+                view = logits.view(bs, n1, -1)  # [B, N+1, V]
+                rows = greedy.nonzero().squeeze(-1)
+                view[rows] = greedy_nu_logits(view[rows], q[rows], w2[rows])
+        _step.weights = torch.where(greedy.unsqueeze(1), torch.ones_like(w2), w2)  # [B, N]
+        try:
+            return original_fn(verify_input, batch, logits_output, *args, **kwargs)
+        finally:
+            _step.weights = None
+
+    return eagle_sample_around
+
+
+def chain_kernel_around(original_fn, *args, **kwargs):
+    """Substitute ν for p at draft slots when eagle_sample published weights for this step."""
+    w = getattr(_step, "weights", None)
+    if w is not None and "target_probs" in kwargs and kwargs.get("draft_probs") is not None:
+        kwargs["target_probs"] = mix_target_probs(kwargs["target_probs"], kwargs["draft_probs"], w)
+    return original_fn(*args, **kwargs)
+
+
+def draft_forward_around(original_fn, self, forward_batch, *args, **kwargs):
+    """Build q for all-greedy batches too (greedy ν needs it); restore the flag afterwards."""
+    info = getattr(forward_batch, "sampling_info", None)
+    if info is None or not info.is_all_greedy or not _is_standalone():
+        return original_fn(self, forward_batch, *args, **kwargs)
+    info.is_all_greedy = False
+    try:
+        return original_fn(self, forward_batch, *args, **kwargs)
+    finally:
+        info.is_all_greedy = True
+
+
+def graph_variant_around(original_fn, self, forward_batch, *args, **kwargs):
+    """Replay the draft graph that produces q, never the greedy variant that skips it."""
+    if _is_standalone():
+        return None
+    return original_fn(self, forward_batch, *args, **kwargs)
