@@ -95,9 +95,25 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled).float()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rope_table(inv_freq: torch.Tensor, length: int) -> torch.Tensor:
+    """`freqs_cis` `[length, D/2]` complex64: e^{i·pos·inv_freq} for every position."""
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq.float())  # [L, D/2]
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def interleave_rope_rows(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Permute q/k projection rows from HF's half-split RoPE layout (pairs i, i + D/2) to the
+    interleaved layout (pairs 2i, 2i+1), so RoPE is one complex multiply on a view. q and k get
+    the same permutation, so every q·k score — hence attention — is unchanged."""
+    half = head_dim // 2
+    perm = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()  # [D]
+    return w.reshape(heads, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
+
+
+def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """x `[R, T, H, D]` (interleaved pairs), freqs_cis `[R, T, 1, D/2]` -> rotated `[R, T, H, D]`."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # [R, T, H, D/2] complex
+    return torch.view_as_real(xc * freqs_cis).flatten(-2).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -130,13 +146,13 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(h, args.rms_norm_eps)
         self.mlp_norm = RMSNorm(h, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache: KVCache, slots, positions, mask, seq_len, contiguous):
+    def forward(self, x, freqs_cis, cache: KVCache, slots, positions, mask, seq_len, contiguous):
         r, t, _ = x.shape  # x [R, T, H]
         a = self.args
         qkv = F.linear(self.attn_norm(x), self.wqkv.weight, self.wqkv.bias)  # [R, T, Hq*D + 2*Hkv*D]
         # RoPE on q and k in one pass: they are adjacent in the fused projection.
         qk = qkv[..., : self.q_size + self.kv_size].view(r, t, a.num_heads + a.num_kv_heads, a.head_dim)
-        qk = qk * cos + rotate_half(qk) * sin  # cos/sin [R, T, 1, D]; qk [R, T, Hq+Hkv, D]
+        qk = apply_rope(qk, freqs_cis)  # [R, T, Hq+Hkv, D]
         q = qk[:, :, : a.num_heads].transpose(1, 2)  # [R, Hq, T, D]
         k = qk[:, :, a.num_heads :].transpose(1, 2)  # [R, Hkv, T, D]
         v = qkv[..., self.q_size + self.kv_size :].view(r, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
@@ -159,6 +175,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)  # [D/2]
+        self.freqs_cis = rope_table(self.inv_freq, 0)  # [L, D/2], grown on demand
 
     def forward(
         self,
@@ -182,14 +199,15 @@ class Transformer(nn.Module):
         else:
             key_pos = torch.arange(seq_len, device=tokens.device)  # [S]
             mask = (key_pos.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)  # [R, 1, T, S]
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [R, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [R, T, 1, D]
+        if seq_len > self.freqs_cis.shape[0]:  # rare: tables are sized by `new_cache`
+            self.freqs_cis = rope_table(self.inv_freq, max(seq_len, 2 * self.freqs_cis.shape[0]))
+            self.freqs_cis = self.freqs_cis.to(tokens.device)
+        freqs_cis = self.freqs_cis[positions].unsqueeze(2)  # [R, T, 1, D/2]
         x = F.embedding(tokens, self.embed.weight)  # [R, T, H]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # [R, T, 1, D] each
         if contiguous is None:
             contiguous = bool((slots == torch.arange(r, device=slots.device)).all())
         for layer in self.layers:
-            x = layer.forward(x, cos, sin, cache, slots, positions, mask, seq_len, contiguous)
+            x = layer.forward(x, freqs_cis, cache, slots, positions, mask, seq_len, contiguous)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -200,6 +218,8 @@ class Transformer(nn.Module):
         from server.engine.kv_cache import CacheShape
 
         a = self.args
+        if self.freqs_cis.shape[0] < max_seq:
+            self.freqs_cis = rope_table(self.inv_freq, max_seq).to(self.embed.weight.device)
         shape = CacheShape(a.num_layers, max_batch, a.num_kv_heads, max_seq, a.head_dim)
         return KVCache(shape, self.embed.weight.dtype, self.embed.weight.device)
 
@@ -224,12 +244,18 @@ def load_model(path: str | Path, device="cpu", dtype: torch.dtype = torch.float3
     pre = "model.layers"
     state = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
     state["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    heads = {"q": args.num_heads, "k": args.num_kv_heads}
+
+    def proj(i: int, kind: str, part: str) -> torch.Tensor:  # q/k rows re-ordered for interleaved RoPE
+        w = hf[f"{pre}.{i}.self_attn.{kind}_proj.{part}"]
+        return interleave_rope_rows(w, heads[kind], args.head_dim) if kind in heads else w
+
     for i in range(args.num_layers):
         g = lambda name, i=i: hf[f"{pre}.{i}.{name}"]  # noqa: E731
-        qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
-        state[f"layers.{i}.wqkv.weight"] = torch.cat([g(f"{n}.weight") for n in qkv])
+
+        state[f"layers.{i}.wqkv.weight"] = torch.cat([proj(i, k, "weight") for k in "qkv"])
         if args.qkv_bias:
-            state[f"layers.{i}.wqkv.bias"] = torch.cat([g(f"{n}.bias") for n in qkv])
+            state[f"layers.{i}.wqkv.bias"] = torch.cat([proj(i, k, "bias") for k in "qkv"])
         state[f"layers.{i}.wo.weight"] = g("self_attn.o_proj.weight")
         state[f"layers.{i}.w13.weight"] = torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")])
         state[f"layers.{i}.w2.weight"] = g("mlp.down_proj.weight")
@@ -238,4 +264,5 @@ def load_model(path: str | Path, device="cpu", dtype: torch.dtype = torch.float3
     state = {k: v.to(dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = rope_inv_freq(args)
+    model.freqs_cis = rope_table(model.inv_freq, 0)
     return model.to(device).eval().requires_grad_(False)

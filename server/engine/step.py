@@ -75,6 +75,24 @@ def _col(rows: list[Row], name: str, device, dtype=torch.float32) -> torch.Tenso
     return torch.tensor([getattr(r, name) for r in rows], dtype=dtype, device=device)  # [R]
 
 
+def _probs(logits: torch.Tensor, temp, top_k, top_p) -> torch.Tensor:
+    """`verifier.logits_to_probs`, short-circuited when the whole group uses the identity transform
+    (temperature 1, no top-k/top-p — also every greedy group): then it is exactly a float32
+    softmax, and skipping its per-call checks saves a dozen tiny ops per draft step."""
+    if isinstance(temp, float) and temp == 1.0 and top_k == 0 and top_p == 1.0:
+        return logits.float().softmax(dim=-1)
+    return logits_to_probs(logits, temp, top_k, top_p)
+
+
+def _pick(probs: torch.Tensor, greedy: torch.Tensor, all_greedy: bool | None, u: torch.Tensor):
+    """argmax for greedy rows, inverse-CDF sample with the row's uniform `u` `[R]` otherwise."""
+    if all_greedy is True:
+        return probs.argmax(-1)
+    if all_greedy is False:
+        return sample_inverse_cdf(probs, u)
+    return torch.where(greedy, probs.argmax(-1), sample_inverse_cdf(probs, u))
+
+
 def _param(rows: list[Row], name: str, device, dtype=torch.float32):
     """A sampling parameter for `logits_to_probs`: a Python scalar when every row agrees (the
     transform then skips per-row broadcasting, and top-k/top-p skip their sorts when off), else
@@ -122,6 +140,8 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> No
     t0 = time.perf_counter()
     slots = torch.tensor([row.slot for row in rows], device=dev)  # [R]
     greedy = _col(rows, "greedy", dev, torch.bool)  # [R]
+    flags = {row.greedy for row in rows}
+    all_greedy = flags.pop() if len(flags) == 1 else None  # True / False when uniform
     temp = _param(rows, "temperature", dev)
     top_k, top_p = _param(rows, "top_k", dev, torch.long), _param(rows, "top_p", dev)
     contiguous = [row.slot for row in rows] == list(range(r))
@@ -141,8 +161,8 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> No
         h = hidden[torch.arange(r, device=dev), last]  # [R, Hd]
         base = torch.tensor([len(row.seq) for row in rows], dtype=torch.long, device=dev)  # [R]
         for i in range(n):
-            q = logits_to_probs(models.draft.logits(h), temp, top_k, top_p)  # [R, V]
-            x = torch.where(greedy, q.argmax(-1), sample_inverse_cdf(q, u_draft[:, i]))  # [R]
+            q = _probs(models.draft.logits(h), temp, top_k, top_p)  # [R, V]
+            x = _pick(q, greedy, all_greedy, u_draft[:, i])  # [R]
             draft_tokens.append(x)
             draft_probs.append(q)
             h_draft.append(h)
@@ -161,7 +181,7 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> No
     h_target = models.target(verify_in, slots, tstarts, models.target_cache, contiguous)  # [R, N+1, Ht]
     # p goes through the same transform as q; autoregressive decoding needs it too, so it is
     # counted with the target forward, not with verification.
-    p = logits_to_probs(models.target.logits(h_target), temp, top_k, top_p)  # [R, N+1, V]
+    p = _probs(models.target.logits(h_target), temp, top_k, top_p)  # [R, N+1, V]
     _sync(dev)
     t2 = time.perf_counter()
     if n:
@@ -173,7 +193,7 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> No
 
     if not n:  # autoregressive rows: sample p directly (what verify does with N = 0, minus checks)
         first = p[:, 0]  # [R, V]
-        picks = torch.where(greedy, first.argmax(-1), sample_inverse_cdf(first, u_verify[:, 0]))  # [R]
+        picks = _pick(first, greedy, all_greedy, u_verify[:, 0])  # [R]
         for row, tok in zip(rows, picks.tolist(), strict=True):
             row.record_round(0, [])
             row.tlen = len(row.seq)
@@ -184,20 +204,24 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> No
 
     # 3. Verify the whole group at once.
     q_all = torch.stack(draft_probs, 1)  # [R, N, V]
-    weights = _col(rows, "weight", dev).view(-1, 1).expand(r, n).clone()  # [R, N]
     learned = [i for i, row in enumerate(rows) if row.learned]
-    if n and learned:
+    weights_cpu = [[row.weight] * n for row in rows]  # per-position w, for the stats
+    if learned:  # per-token w_t from the head for those rows, the dial value for the others
+        weights = _col(rows, "weight", dev).view(-1, 1).expand(r, n).clone()  # [R, N]
         idx = torch.tensor(learned, device=dev)
         hd = torch.stack(h_draft, 1)[idx]  # [R', N, Hd]
         w_head = models.head(hd.float(), h_target[idx, :n].float(), weights[idx, 0])  # [R', N]
         weights[idx] = w_head.to(weights.dtype).clamp(0.0, 1.0)
+        weights_cpu = weights.tolist()
+    else:  # a float when the group agrees (verify broadcasts it), else one w per row
+        weights = _param(rows, "weight", dev)
     policy = None
     if any(row.policy.kind != PolicyKind.ENSEMBLE for row in rows):
         policy = PolicyBatch.from_policies([row.policy for row in rows], device=dev)
-    result = verify(p, q_all, x_all, weights, policy=policy, greedy=greedy, uniforms=u_verify)
+    g = greedy if all_greedy is None else all_greedy
+    result = verify(p, q_all, x_all, weights, policy=policy, greedy=g, uniforms=u_verify)
     num_accepted = result.num_accepted.tolist()
     out_tokens = result.tokens.tolist()
-    weights_cpu = weights.tolist()
     _sync(dev)
     t3 = time.perf_counter()
     timers.verify_call_s += t3 - t2
