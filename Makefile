@@ -5,6 +5,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# Imports of sglang.srt.{plugins,server_args,sampling,arg_groups,speculative} on CPU (see docs/sglang.md).
+SGLANG_CPU_DEPS := orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 triton==3.9.0 \
+	msgspec==0.22.0 pyzmq==27.3.0 ipython==9.18.1 aiohttp==3.14.5 einops==0.8.2 dill==0.4.1 \
+	apache-tvm-ffi==0.1.11 sentencepiece==0.2.3 compressed-tensors==0.20.0 gguf==0.19.0 \
+	partial-json-parser==0.2.1.1.post7 setproctitle==1.3.8
 
 .PHONY: venv test lint fmt serve bench clean
 
@@ -16,6 +21,11 @@ $(STAMP): pyproject.toml
 	# torch first, pinned to the CPU wheel that lies on these machines.
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[dev]"
+	# SGLang's own source, so the plugin tests check against its real code on CPU
+	# (docs/sglang.md). --no-deps keeps its CUDA stack out; the light deps are what its
+	# CPU-importable modules import. torch is named again so no dep can swap the CPU build.
+	$(BIN)/pip install -q --no-deps "sglang==0.5.23"
+	$(BIN)/pip install -q "torch==2.13.0" $(SGLANG_CPU_DEPS)
 	touch $(STAMP)
 
 lint: $(STAMP)

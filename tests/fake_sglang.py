@@ -1,0 +1,166 @@
+"""A fake SGLang runtime on loopback that speaks 0.5.23's native `/generate` protocol.
+
+Shapes follow SGLang's `http_server.py` / `tokenizer_manager.py`: non-streaming returns one
+JSON `{"text", "output_ids", "meta_info"}`; streaming sends `data: {...}\\n\\n` lines whose `text`
+and `output_ids` are cumulative, then `data: [DONE]\\n\\n`; an error inside a stream is a
+`data: {"error": {"message", "type", "code", ...}}` line; a rejected request is an HTTP error with
+`{"error": {...}}`. `meta_info` carries `prompt_tokens`, `completion_tokens`, `finish_reason`
+(`{"type": "length", "length": n}` / `{"type": "stop", "matched": id}` / abort) and the spec
+counters computed as SGLang does (proposed = verify rounds × N, accept length = completion /
+rounds).
+
+`FakeRuntime.behavior` picks what the next requests get: "ok", "http500", "http400", "stall"
+(no bytes for `stall_s`), "stream_error" (error after two chunks), "abort" (abort finish before
+output), "cut" (stream ends without finish or [DONE]).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+N_DRAFT = 4
+# Token texts: one multi-byte character is split across two tokens to exercise U+FFFD holding.
+PIECES = ["Hello", " wor", "ld", " \ufffd", "日", "本", "!", " more", " text", " here"]
+TEXTS = ["Hello", " wor", "ld", " ", "日", "本", "!", " more", " text", " here"]
+
+
+class FakeRuntime:
+    def __init__(self):
+        self.behavior = "ok"
+        self.stall_s = 5.0
+        self.requests: list[dict] = []
+        self.app = self._make_app()
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.url = ""
+
+    # ------------------------------------------------------------------ protocol
+
+    def _meta(self, body: dict, n_out: int, finish) -> dict:
+        rounds = max(1, -(-n_out // 3))  # pretend ~3 tokens per verify round
+        proposed = rounds * N_DRAFT
+        correct = max(0, n_out - rounds)
+        meta = {
+            "id": body.get("rid", "r"),
+            "finish_reason": finish,
+            "prompt_tokens": len(body.get("input_ids") or []),
+            "completion_tokens": n_out,
+            "cached_tokens": 0,
+        }
+        if n_out:
+            meta.update(
+                spec_accept_rate=correct / proposed,
+                spec_accept_length=n_out / rounds,
+                spec_num_correct_drafts=correct,
+                spec_num_proposed_drafts=proposed,
+                spec_verify_ct=rounds,
+            )
+        return meta
+
+    def _outputs(self, body: dict):
+        """Cumulative (text, ids, finish) per step for this request."""
+        max_new = int(body["sampling_params"].get("max_new_tokens", 128))
+        n = min(max_new, len(PIECES))
+        for i in range(1, n + 1):
+            # Cumulative text: a split character shows as U+FFFD until its second token arrives.
+            text = "".join(TEXTS[: i - 1]) + PIECES[i - 1]
+            finish = None
+            if i == n:
+                text = "".join(TEXTS[:i])
+                finish = {"type": "length", "length": i} if n == max_new else {"type": "stop", "matched": 2}
+            yield text, list(range(100, 100 + i)), finish
+
+    def _make_app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({}) if self.behavior != "unhealthy" else JSONResponse({}, status_code=503)
+
+        @app.post("/generate")
+        async def generate(request: Request):
+            body = await request.json()
+            self.requests.append(body)
+            if self.behavior == "http500":
+                return JSONResponse({"error": {"message": "boom", "code": 500}}, status_code=500)
+            if self.behavior == "http400":
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "bad sampling params",
+                            "type": "invalid_request_error",
+                            "code": 400,
+                        }
+                    },
+                    status_code=400,
+                )
+            if not body.get("stream"):
+                text, ids, finish = list(self._outputs(body))[-1]
+                return JSONResponse(
+                    {"text": text, "output_ids": ids, "meta_info": self._meta(body, len(ids), finish)}
+                )
+            return StreamingResponse(self._stream(body), media_type="text/event-stream")
+
+        return app
+
+    async def _stream(self, body: dict):
+        def line(obj) -> bytes:
+            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+        if self.behavior == "stall":
+            await asyncio.sleep(self.stall_s)
+        if self.behavior == "abort":
+            finish = {"type": "abort", "message": "prompt too long", "status_code": 400, "err_type": None}
+            yield line({"text": "", "output_ids": [], "meta_info": self._meta(body, 0, finish)})
+            yield b"data: [DONE]\n\n"
+            return
+        for step, (text, ids, finish) in enumerate(self._outputs(body)):
+            if self.behavior == "stream_error" and step == 2:
+                err = {"message": "scheduler died", "type": "invalid_request_error", "code": 500}
+                yield line({"error": {**err, "retryable": False}})
+                break
+            if self.behavior == "cut" and step == 2:
+                return
+            yield line({"text": text, "output_ids": ids, "meta_info": self._meta(body, len(ids), finish)})
+            await asyncio.sleep(0)
+        yield b"data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> FakeRuntime:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("fake SGLang runtime did not start")
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=5)
+
+
+def free_port() -> int:
+    """A loopback port with nothing listening (connection refused)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
