@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES: list[str] = [
     "loadtest.cli",
     "training.commands",
     "training.pair_cli",
+    "server.runtime_cli",
 ]
 
 

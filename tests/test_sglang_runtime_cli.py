@@ -1,0 +1,77 @@
+"""`dialspec runtime`: the SGLang command line, checked against SGLang 0.5.23's real parser."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from server import cli, runtime_cli
+from server.sglang_plugin import params
+
+
+def _argv(tiny_pair, *more):
+    target, draft = tiny_pair
+    return ["runtime", "print-command", "--target", str(target), "--draft", str(draft), *more]
+
+
+def test_registered_in_the_cli():
+    assert "server.runtime_cli" in cli.SUBCOMMAND_MODULES
+
+
+def test_print_command_parses_with_sglangs_own_argument_parser(tiny_pair, capsys):
+    assert (
+        cli.main(_argv(tiny_pair, "-n", "4", "--default-w", "0.5", "--port", "31000", "--", "--tp-size", "1"))
+        == 0
+    )
+    words = shlex.split(capsys.readouterr().out)
+    env = dict(w.split("=", 1) for w in words[:2])
+    assert env == {params.ENV_ENABLE: "1", params.ENV_DEFAULT_W: "0.5"}
+    assert words[3:5] == ["-m", "sglang.launch_server"]
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(words[5:])  # SGLang's parser, unresolved (no GPU needed)
+    assert server_args.speculative_algorithm == "STANDALONE"
+    assert server_args.speculative_num_steps == 4 and server_args.speculative_num_draft_tokens == 5
+    assert server_args.speculative_eagle_topk == 1
+    assert server_args.speculative_use_rejection_sampling is True
+    assert server_args.enable_metrics is True and server_args.port == 31000
+    assert server_args.model_path == str(tiny_pair[0].resolve())
+    assert server_args.speculative_draft_model_path == str(tiny_pair[1].resolve())
+
+
+@pytest.mark.parametrize(
+    "more, message",
+    [
+        (["-n", "0"], "num-draft"),
+        (["--default-w", "1.5"], "default-w"),
+        (["--head", "/no/such/head.pt"], "no such file"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(tiny_pair, capsys, more, message):
+    assert cli.main(_argv(tiny_pair, *more)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dialspec: error:") and message in err and "\n" not in err
+
+
+def test_bad_model_reference(capsys):
+    assert cli.main(["runtime", "print-command", "--target", "./nope", "--draft", "org/draft"]) == 2
+    assert "neither a model directory" in capsys.readouterr().err
+
+
+def test_launch_without_sglang_says_how_to_install(tiny_pair, capsys, monkeypatch):
+    monkeypatch.setattr(runtime_cli.importlib.util, "find_spec", lambda name: None)
+    argv = _argv(tiny_pair)
+    argv[1] = "launch"
+    assert cli.main(argv) == 2
+    assert "pip install 'dialspec[sglang]'" in capsys.readouterr().err
+
+
+def test_launch_execs_sglang_with_the_plugin_environment(tiny_pair, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(runtime_cli.os, "execvpe", lambda f, a, e: seen.update(file=f, argv=a, env=e))
+    argv = _argv(tiny_pair, "--default-w", "0.25")
+    argv[1] = "launch"
+    assert cli.main(argv) == 0
+    assert seen["argv"][1:3] == ["-m", "sglang.launch_server"]
+    assert seen["env"][params.ENV_ENABLE] == "1" and seen["env"][params.ENV_DEFAULT_W] == "0.25"
