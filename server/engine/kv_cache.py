@@ -40,11 +40,19 @@ class KVCache:
         return self.k.numel() * self.k.element_size() * 2
 
     def write(
-        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        single: tuple[int, int] | None = None,
     ) -> None:
-        """Store `k, v` `[R, Hkv, T, D]` for rows `slots` `[R]` at absolute `positions` `[R, T]`."""
-        if slots.shape[0] == 1:  # one row: a plain slice copy, no index arithmetic
-            slot, start, t = int(slots[0]), int(positions[0, 0]), positions.shape[1]
+        """Store `k, v` `[R, Hkv, T, D]` for rows `slots` `[R]` at absolute `positions` `[R, T]`.
+
+        `single=(slot, start)` for a one-row call: a plain slice copy, no index arithmetic."""
+        if single is not None:
+            (slot, start), t = single, positions.shape[1]
             self.k[layer, slot, :, start : start + t] = k[0]
             self.v[layer, slot, :, start : start + t] = v[0]
             return

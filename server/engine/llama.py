@@ -146,7 +146,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(h, args.rms_norm_eps)
         self.mlp_norm = RMSNorm(h, args.rms_norm_eps)
 
-    def forward(self, x, freqs_cis, cache: KVCache, slots, positions, mask, seq_len, contiguous):
+    def forward(self, x, freqs_cis, cache: KVCache, slots, positions, mask, seq_len, contiguous, single):
         r, t, _ = x.shape  # x [R, T, H]
         a = self.args
         qkv = F.linear(self.attn_norm(x), self.wqkv.weight, self.wqkv.bias)  # [R, T, Hq*D + 2*Hkv*D]
@@ -156,7 +156,7 @@ class Block(nn.Module):
         q = qk[:, :, : a.num_heads].transpose(1, 2)  # [R, Hq, T, D]
         k = qk[:, :, a.num_heads :].transpose(1, 2)  # [R, Hkv, T, D]
         v = qkv[..., self.q_size + self.kv_size :].view(r, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        cache.write(self.layer, slots, positions, k, v)
+        cache.write(self.layer, slots, positions, k, v, single)
         keys, values = cache.read(self.layer, slots, seq_len, contiguous)  # [R, Hkv, S, D] each
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads
@@ -193,7 +193,9 @@ class Transformer(nn.Module):
         """
         r, t = tokens.shape
         positions = starts.view(-1, 1) + torch.arange(t, device=tokens.device)  # [R, T]
-        seq_len = int(starts.max()) + t
+        # One row: its slot and start as Python ints, read once here instead of in every layer.
+        single = (int(slots[0]), int(starts[0])) if r == 1 else None
+        seq_len = (single[1] if single else int(starts.max())) + t
         if r == 1 and t == 1:
             mask = None  # a single query at the end of its row sees every cached key
         else:
@@ -207,7 +209,7 @@ class Transformer(nn.Module):
         if contiguous is None:
             contiguous = bool((slots == torch.arange(r, device=slots.device)).all())
         for layer in self.layers:
-            x = layer.forward(x, freqs_cis, cache, slots, positions, mask, seq_len, contiguous)
+            x = layer.forward(x, freqs_cis, cache, slots, positions, mask, seq_len, contiguous, single)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
