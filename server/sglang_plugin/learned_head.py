@@ -6,8 +6,8 @@ Terms (shapes)
               (verify forward rows `r*(N+1) + i`, i < N).
     h_draft   `[R, N, Hd]` draft final-norm states at the positions that produced drafts 1..N.
     dial      `[R]` the request's static w, handed to the head as its quality-dial input.
-    head      callable `(h_draft, h_target, dial) -> w [R, N]` in [0, 1] (the DIVERSED head; a
-              TorchScript file at DIALSPEC_HEAD_PATH in the runtime).
+    head      callable `(h_draft, h_target, dial) -> w [R, N]` in [0, 1] (the DIVERSED head,
+              `verifier.head.WeightHead`; loaded from DIALSPEC_HEAD_PATH in the runtime).
 
 Capture uses forward hooks on the final norm module (`model.norm` in Llama-style models, HF or
 SGLang), which sees exactly the LM-head inputs; SGLang's own hidden-state capture is off for
@@ -127,7 +127,15 @@ class LearnedHead:
 
 
 def load_head(path: str) -> Head:
-    """A TorchScript head saved with `torch.jit.save` (no pickled Python classes at runtime)."""
+    """The head at `path`: a `verifier.head.save_head` directory (head.json + head.safetensors,
+    the format `dialspec train` writes), or else a TorchScript file (`torch.jit.save`) for heads
+    built outside dialspec. Pair checks are the caller's: the runtime knows no pair name."""
+    from pathlib import Path
+
+    if Path(path).is_dir():
+        from verifier.head import load_head as load_weight_head
+
+        return load_weight_head(path)
     head = torch.jit.load(path, map_location="cpu")
     head.eval()
     return head
