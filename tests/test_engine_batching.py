@@ -95,6 +95,22 @@ def test_learned_without_head_is_rejected(tiny_pair):
         asyncio.run(eng.stop())
 
 
+def test_saved_weight_head_loads_and_sets_w(tiny_pair, tmp_path):
+    """A `verifier.head.WeightHead` saved to disk is loaded by path; a fresh head predicts w = 0.5."""
+    from verifier.head import head_for_pair, save_head
+
+    save_head(head_for_pair(*tiny_pair, pair_name="tiny-pair"), tmp_path / "head")
+    eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_context=64, head=tmp_path / "head"))
+    eng.start_sync()
+    try:
+        req = _req(eng, "hi", learned=True, weight=0.9, max_tokens=12, ignore_eos=True)
+        stats = asyncio.run(_collect(eng, req))[2][-1].stats
+    finally:
+        asyncio.run(eng.stop())
+    assert eng.info.has_head and stats.weight_count > 0
+    assert abs(stats.mean_weight - 0.5) < 1e-6
+
+
 def test_over_long_request_is_rejected_clearly(engine):
     async def main():
         with pytest.raises(EngineError) as err:

@@ -52,7 +52,7 @@ class EmbeddedEngineConfig:
     device: str = "cpu"
     dtype: str | torch.dtype | None = None  # None: float32 on CPU, bfloat16 on CUDA
     served_name: str | None = None  # default: the target directory's name
-    head: WeightHead | None = None
+    head: WeightHead | str | Path | None = None  # a callable, or a directory saved by verifier.head
     max_num_draft: int = 8  # largest per-request N (cache slack is sized by it)
     max_waiting: int = 256  # queue bound; beyond it requests get EngineError 'capacity'
     # Intra-op CPU threads (process-wide). None = auto: 1 for small targets (< 50M parameters),
@@ -122,8 +122,20 @@ class EmbeddedEngine:
             target_cache=target.new_cache(c.max_batch, max_seq),
             draft_cache=draft.new_cache(c.max_batch, max_seq),
             device=device,
-            head=c.head,
+            head=self._load_head(device),
         )
+
+    def _load_head(self, device: torch.device) -> WeightHead | None:
+        """The configured head; a directory is loaded with `verifier.head.load_head`, which refuses
+        a head trained for a different pair (ValueError naming both)."""
+        head, c = self.config.head, self.config
+        if isinstance(head, (str, Path)):
+            from verifier.head import load_head
+
+            head = load_head(head, target_path=c.target_path, draft_path=c.draft_path)
+        if isinstance(head, torch.nn.Module):
+            head = head.to(device).eval()
+        return head
 
     def start_sync(self) -> None:
         if self.scheduler is None:
