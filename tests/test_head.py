@@ -119,9 +119,8 @@ def test_gradients_reach_only_the_head(tiny_pair):
             p.normal_(std=0.1)
     dial = torch.tensor([0.2, 0.8])
     zeros = torch.zeros_like(forced.p_tok)
-    parts = reinforce_pp_loss(
-        head, forced, dial, torch.tensor([1.0, -1.0]), zeros, zeros, dial, TrainConfig()
-    )
+    adv = torch.tensor([1.0, -1.0])
+    parts = reinforce_pp_loss(head, forced, dial, adv, zeros, zeros, TrainConfig())
     parts.loss.backward()
     assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in head.parameters())
     for model in (target, draft):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.rl import TrainConfig, lr_factor, normalised_advantages, update_step
-from training.rollout import Forced, expected_acceptance
+from training.rl import TrainConfig, lr_factor, normalised_advantages, regulariser, update_step
+from training.rollout import Forced
 from training.trainer import Trainer
 from verifier.head import HeadConfig, WeightHead, load_head
 
@@ -45,8 +45,8 @@ def test_training_improves_objective_deterministically_and_resumes(tiny_pair, tm
     summary = a.train(progress=False)
     first, last = summary["dev"][0], summary["dev"][-1]
     assert summary["updates"] == 3 and len(a.history) == 3
-    assert last["objective"] > first["objective"]  # score + λ(d)·acceptance on fixed dev rollouts
-    assert a.history[-1]["mean_w"] < 0.5  # acceptance is bought by lowering w where it is cheap
+    assert last["objective"] > first["objective"]  # score + λ(d)·acc − μ·gap² on fixed dev rollouts
+    assert last["d0.25"]["mean_w"] < last["d0.75"]["mean_w"]  # the dial already steers w
     exported = load_head(
         tmp_path / "a" / "head", "tiny-pair", target_path=tiny_pair[0], draft_path=tiny_pair[1]
     )
@@ -83,14 +83,12 @@ def test_update_step_raises_the_regularised_objective():
     cfg = TrainConfig(ppo_epochs=2, lr=5e-2)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr)
     forced, dial = _fake_batch(), torch.tensor([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
-    scores = torch.zeros(6)  # no task signal: only the acceptance term moves w (down)
+    scores = torch.zeros(6)  # no task signal: only the acceptance and budget terms move w
 
     def objective():
         with torch.no_grad():
-            lam = cfg.lambda_min + (cfg.lambda_max - cfg.lambda_min) * (1 - dial)
-            return float(
-                (lam * expected_acceptance(head(forced.h_draft, forced.h_target, dial), forced)).mean()
-            )
+            w = head(forced.h_draft, forced.h_target, dial)
+            return float(regulariser(w, forced, dial, cfg).mean())
 
     before = objective()
     for _ in range(3):

@@ -76,6 +76,13 @@ def register(subparsers) -> None:
     t.add_argument("--tasks", type=_tasks, default=None, help="comma-separated tasks")
     t.add_argument("--dials", type=_floats, default=None, help="dial grid sampled per rollout")
     t.add_argument("--eval-every", type=int, default=None)
+    t.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other TrainConfig field, e.g. --set lambda_max=2 --set kl_coef=0.02",
+    )
     t.add_argument("--resume", action="store_true", help="continue from run-dir/checkpoint.pt")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=run_train)
@@ -111,7 +118,19 @@ def run_train(args) -> int:
     for key in ("updates", "batch", "max_tokens", "eval_every"):
         if overrides[key] is not None and overrides[key] < 1:
             raise CLIError(f"--{key.replace('_', '-')} must be >= 1")
-    known = {f.name for f in fields(TrainConfig)}
+    known = {f.name: f for f in fields(TrainConfig)}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or key not in known or key in ("target_path", "draft_path", "extra"):
+            raise CLIError(f"--set {item!r}: expected KEY=VALUE with KEY a TrainConfig field")
+        default = getattr(TrainConfig(), key)
+        try:
+            if isinstance(default, tuple):
+                overrides[key] = tuple(type(default[0])(v) for v in value.split(",")) if default else ()
+            else:
+                overrides[key] = type(default)(value)
+        except ValueError as exc:
+            raise CLIError(f"--set {item!r}: {exc}") from exc
     cfg = TrainConfig(
         target_path=target,
         draft_path=draft,

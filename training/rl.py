@@ -8,11 +8,16 @@ Terms
     dial d      sampled per rollout from `TrainConfig.dials`; the head sees it as an input and the
                 reward's acceptance weight depends on it: `λ(d) = λ_min + (λ_max − λ_min)·(1 − d)`,
                 so a low dial buys acceptance and a high dial buys task score.
-    reward      `r = score(y) + λ(d)·acc(y)` with `acc(y) = mean_t(1 − w_t·TV(p_t, q_t))` (λ > 0:
-                more acceptance is better).
-    objective   `J = E[score] + E[λ(d)·acc]` — the "regularised objective". Its gradient has a
-                score-function part (REINFORCE on r, with PPO-style clipping) and, because acc is
-                an explicit function of w, a pathwise part `λ(d)·∇acc` added directly.
+    reward      `r = score(y) + λ(d)·acc(y) − μ·gap(y)²` with `acc(y) = mean_t(1 − w_t·TV(p_t, q_t))`
+                (λ > 0: more acceptance is better).
+    budget gap  `gap = mean_t(w_t·TV_t) − d·mean_t(TV_t)`: how much less acceptance the head buys
+                than the static ensemble at w = d would on the same positions. The μ term anchors
+                the dial (beyond the paper): at dial d the head spends the acceptance budget of
+                static w = d, and the task reward decides *where* to spend it — so its points are
+                directly comparable with the static frontier. μ = 0 gives the plain paper reward.
+    objective   `J = E[score] + E[λ(d)·acc − μ·gap²]` — the "regularised objective". Its gradient
+                has a score-function part (REINFORCE on r, with PPO-style clipping) and, because
+                acc and gap are explicit functions of w, a pathwise part added directly.
     REINFORCE++ advantages `A = (r − mean r)/std r` over the global batch, broadcast to tokens;
                 clipped ratio `min(ρA, clip(ρ, 1±ε)A)` with `ρ = exp(log ν_θ − log ν_old)`, and a
                 token-level KL penalty `β·KL(ν_θ ‖ ν_ref)` (k3 estimator) to the initial head.
@@ -57,7 +62,8 @@ class TrainConfig:
     clip_eps: float = 0.2
     kl_coef: float = 0.01
     lambda_min: float = 0.05
-    lambda_max: float = 1.0
+    lambda_max: float = 0.5
+    budget_coef: float = 20.0  # μ; 0 = the paper's reward without the dial anchor
     head_hidden: int = 0
     default_dial: float = 0.5
     eval_every: int = 10
@@ -70,6 +76,15 @@ class TrainConfig:
 def acceptance_weight(cfg: TrainConfig, dial: torch.Tensor) -> torch.Tensor:
     """λ(d) `[B]`: λ_max at d = 0 down to λ_min at d = 1 (always > 0)."""
     return cfg.lambda_min + (cfg.lambda_max - cfg.lambda_min) * (1.0 - dial)
+
+
+def regulariser(w: torch.Tensor, forced: Forced, dial: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+    """Per-rollout `λ(d)·acc − μ·gap²` `[B]` for head weights `w` `[B, T]` (differentiable in w)."""
+    acc = expected_acceptance(w, forced)  # [B]
+    count = forced.mask.sum(1).clamp_min(1)  # [B]
+    spent = (w * forced.tv * forced.mask).sum(1) / count  # [B] mean_t w_t·TV_t
+    gap = spent - dial * (forced.tv * forced.mask).sum(1) / count  # [B]
+    return acceptance_weight(cfg, dial) * acc - cfg.budget_coef * gap.square()
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
@@ -101,10 +116,9 @@ def reinforce_pp_loss(
     advantages: torch.Tensor,  # [B]
     old_logp: torch.Tensor,  # [B, T]
     ref_logp: torch.Tensor,  # [B, T]
-    lam: torch.Tensor,  # [B]
     cfg: TrainConfig,
 ) -> LossParts:
-    """Clipped policy-gradient + token KL − pathwise λ·acceptance, averaged over all tokens."""
+    """Clipped policy-gradient + token KL − pathwise regulariser (mean over rollouts)."""
     w = head_weights(head, forced, dial)  # [B, T]
     logp = nu_log_prob(w, forced)  # [B, T]
     mask = forced.mask.float()
@@ -116,7 +130,7 @@ def reinforce_pp_loss(
     log_r = ref_logp - logp  # k3: exp(x) − x − 1 >= 0, x = log ν_ref − log ν_θ
     kl = ((torch.exp(log_r) - log_r - 1.0) * mask).sum() / tokens
     acc = expected_acceptance(w, forced)  # [B]
-    pathwise = (lam * acc).mean()
+    pathwise = regulariser(w, forced, dial, cfg).mean()
     loss = policy + cfg.kl_coef * kl - pathwise
     clipped = ((ratio - 1).abs() > cfg.clip_eps).float()
     return LossParts(
@@ -145,18 +159,17 @@ def update_step(
     cfg: TrainConfig,
 ) -> dict:
     """One REINFORCE++ update on a finished rollout batch; returns its statistics."""
-    lam = acceptance_weight(cfg, dial)  # [B]
     with torch.no_grad():
         w_old = head_weights(head, forced, dial)
         old_logp = nu_log_prob(w_old, forced)
         ref_logp = nu_log_prob(head_weights(ref_head, forced, dial), forced)
         acc_old = expected_acceptance(w_old, forced)  # [B]
-        rewards = scores + lam * acc_old
+        rewards = scores + regulariser(w_old, forced, dial, cfg)
         adv = normalised_advantages(rewards)
         w_mean = float((w_old * forced.mask).sum() / forced.mask.sum().clamp_min(1))
     parts = None
     for _ in range(cfg.ppo_epochs):
-        parts = reinforce_pp_loss(head, forced, dial, adv, old_logp, ref_logp, lam, cfg)
+        parts = reinforce_pp_loss(head, forced, dial, adv, old_logp, ref_logp, cfg)
         optimizer.zero_grad(set_to_none=True)
         parts.loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip))

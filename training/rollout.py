@@ -96,9 +96,6 @@ class Forced:
     h_target: torch.Tensor  # [B, T, Ht]
     mask: torch.Tensor  # [B, T] bool: real completion positions
 
-    def rows(self, idx: torch.Tensor) -> Forced:
-        return Forced(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
-
     @staticmethod
     def cat(parts: list[Forced]) -> Forced:
         width = max(p.mask.shape[1] for p in parts)

@@ -6,7 +6,7 @@ Terms
                 `ppo_epochs` optimiser steps (`rl.update_step`).
     dev eval    every `eval_every` updates: the same fixed dev-split prompts, dials and seeds, so the
                 numbers are comparable across the run — mean task score, mean acceptance
-                `1 − w·TV`, mean w and the regularised objective `score + λ(d)·acc`.
+                `1 − w·TV`, mean w and the regularised objective `score + λ(d)·acc − μ·gap²`.
     checkpoint  `run_dir/checkpoint.pt` (head, reference head, optimiser, step, log) every
                 `ckpt_every` updates; `resume=True` continues from it. Everything random is derived
                 from (seed, step), so a resumed run follows the same path as an uninterrupted one.
@@ -26,9 +26,9 @@ from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOpt
 from training import tasks
 from training.rl import (
     TrainConfig,
-    acceptance_weight,
     head_weights,
     lr_factor,
+    regulariser,
     sample_dials,
     update_step,
 )
@@ -157,12 +157,11 @@ class Trainer:
             forced, scores = self.rollouts(self.dev_set, dials, seeds)
             w = head_weights(self.head, forced, dials)
             acc = expected_acceptance(w, forced)
-            lam = acceptance_weight(cfg, dials)
             out[f"d{d:g}"] = {
                 "score": float(scores.mean()),
                 "acceptance": float(acc.mean()),
                 "mean_w": float((w * forced.mask).sum() / forced.mask.sum().clamp_min(1)),
-                "objective": float((scores + lam * acc).mean()),
+                "objective": float((scores + regulariser(w, forced, dials, cfg)).mean()),
             }
         out["objective"] = sum(out[f"d{d:g}"]["objective"] for d in cfg.dev_dials) / len(cfg.dev_dials)
         return out
