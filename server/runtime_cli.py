@@ -73,9 +73,11 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     env = {ENV_ENABLE: "1", ENV_DEFAULT_W: repr(float(args.default_w))}
     if args.head:
         head = Path(args.head).expanduser()
-        if not head.is_file():
-            raise CLIError(f"--head {args.head!r}: no such file (a TorchScript head)")
+        if not head.exists():
+            raise CLIError(f"--head {args.head!r}: no such head directory or TorchScript file")
         env[ENV_HEAD_PATH] = str(head.resolve())
+        # The head's state capture runs as forward hooks, which CUDA-graph replay skips.
+        argv.insert(argv.index("--enable-metrics"), "--disable-decode-cuda-graph")
     return argv, env
 
 

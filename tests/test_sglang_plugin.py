@@ -407,3 +407,11 @@ def test_reference_kernel_agrees_with_sglang_triton_signature(sglang_heavy):
     first = list(inspect.signature(eu.eagle_sample).parameters)[:3]
     assert first == ["verify_input", "batch", "logits_output"]
     assert callable(chain_rejection_reference)
+
+
+def test_arg_hook_refuses_learned_head_with_cuda_graphs(stock_handler, tiny_pair, monkeypatch, tmp_path):
+    monkeypatch.setenv(params.ENV_ENABLE, "1")
+    monkeypatch.setenv(params.ENV_HEAD_PATH, str(tmp_path))
+    with pytest.raises(args_hook.DialspecConfigError, match="disable-decode-cuda-graph"):
+        _hooked(stock_handler)(_args(tiny_pair))
+    _hooked(stock_handler)(_args(tiny_pair, disable_decode_cuda_graph=True))

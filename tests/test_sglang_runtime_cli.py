@@ -45,7 +45,7 @@ def test_print_command_parses_with_sglangs_own_argument_parser(tiny_pair, capsys
     [
         (["-n", "0"], "num-draft"),
         (["--default-w", "1.5"], "default-w"),
-        (["--head", "/no/such/head.pt"], "no such file"),
+        (["--head", "/no/such/head.pt"], "no such head"),
     ],
 )
 def test_user_mistakes_are_one_line_errors(tiny_pair, capsys, more, message):
@@ -96,3 +96,14 @@ def test_gpu_check_acceptance_arithmetic():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.acceptance([{"accepted": 3, "proposed": 10}, {"accepted": 5, "proposed": 10}]) == 0.4
+
+
+def test_head_turns_decode_cuda_graphs_off(tiny_pair, tmp_path, capsys):
+    head = tmp_path / "head"
+    head.mkdir()
+    assert cli.main(_argv(tiny_pair, "--head", str(head))) == 0
+    words = shlex.split(capsys.readouterr().out)
+    assert f"{params.ENV_HEAD_PATH}={head}" in words
+    from sglang.srt.server_args import prepare_server_args
+
+    assert prepare_server_args(words[words.index("-m") + 2 :]).disable_decode_cuda_graph is True

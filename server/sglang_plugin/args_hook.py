@@ -60,6 +60,10 @@ def check_standalone_args(cfg: Any) -> None:
         )
     if getattr(cfg, "speculative_adaptive", False):
         _refuse("--speculative-adaptive is not supported (N must stay fixed per server)")
+    graphs_off = getattr(cfg, "disable_cuda_graph", False) or getattr(cfg, "disable_decode_cuda_graph", False)
+    if settings_from_env().head_path and not graphs_off:
+        # Capture uses Python forward hooks, which do not run when a CUDA graph is replayed.
+        _refuse("the learned head (DIALSPEC_HEAD_PATH) needs --disable-decode-cuda-graph")
     device = str(getattr(cfg, "device", None) or "cuda")
     if getattr(cfg, "enable_deterministic_inference", False) and not device.startswith("cuda"):
         _refuse("deterministic rejection sampling needs a CUDA device")
