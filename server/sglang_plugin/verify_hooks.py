@@ -45,6 +45,16 @@ GRAPH_VARIANT = (
 _step = threading.local()  # .weights: [B] or [B, N] tensor for the kernel hook, else None
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A per-step condition must not flood the scheduler log."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
+
 def _is_standalone() -> bool:
     from sglang.srt.runtime_context import get_spec
 
@@ -78,7 +88,7 @@ def make_eagle_sample_hook(settings: PluginSettings, head=None) -> Callable:
         greedy = (batch.sampling_info.top_ks <= 1).view(-1).to(logits.device)  # [B]
         if bool(greedy.any()):
             if q is None:
-                logger.warning("dialspec: no draft probs for greedy rows; verifying them losslessly")
+                _warn_once("dialspec: no draft probs for greedy rows; verifying them losslessly (w = 1)")
             else:
                 if getattr(batch, "return_logprob", False):
                     logits = logits_output.next_token_logits = logits.clone()  # keep logprobs of p
