@@ -179,6 +179,10 @@ def run_bench(
         )
     )  # fmt: skip
     engine.start_sync()
+    # HF baselines run on this thread: give it the engine's thread count so both sides compete on
+    # equal terms (recorded in the report's meta).
+    if engine.scheduler.models.num_threads:
+        torch.set_num_threads(engine.scheduler.models.num_threads)
     plan = [("dialspec_ar", "autoregressive", 1.0), ("dialspec_sd", "speculative", 1.0)]
     plan += [(f"dialspec_w{w}", "speculative", w) for w in ENSEMBLE_WEIGHTS]
     hf_plan = ["hf_generate", "hf_assisted", "hf_assisted_w0.5"] if include_hf else []

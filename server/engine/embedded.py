@@ -55,7 +55,8 @@ class EmbeddedEngineConfig:
     head: WeightHead | str | Path | None = None  # a callable, or a directory saved by verifier.head
     max_num_draft: int = 8  # largest per-request N (cache slack is sized by it)
     max_waiting: int = 256  # queue bound; beyond it requests get EngineError 'capacity'
-    # Intra-op CPU threads (process-wide). None = auto: 1 for small targets (< 50M parameters),
+    # Intra-op CPU threads of the scheduler thread (OpenMP settings are per thread, so callers'
+    # threads keep theirs). None = auto: 1 for small targets (< 50M parameters),
     # whose matmuls are too small to split and whose OpenMP barriers cost milliseconds on a busy
     # host (measured: 2.6 ms vs 0.1 ms per 256x512 linear with 2 threads on a loaded 2-core box);
     # torch's default otherwise.
@@ -111,10 +112,10 @@ class EmbeddedEngine:
             raise ValueError(
                 f"pair vocabularies differ ({target.args.vocab_size} vs {draft.args.vocab_size})"
             )
-        if device.type == "cpu":
+        threads = c.num_threads
+        if device.type == "cpu" and threads is None:
             params = sum(p.numel() for p in target.parameters())
-            threads = c.num_threads or (1 if params < 50_000_000 else torch.get_num_threads())
-            torch.set_num_threads(threads)
+            threads = 1 if params < 50_000_000 else None
         max_seq = c.max_context + c.max_num_draft + 2  # speculative writes run ahead of the text
         return Models(
             target=target,
@@ -123,6 +124,7 @@ class EmbeddedEngine:
             draft_cache=draft.new_cache(c.max_batch, max_seq),
             device=device,
             head=self._load_head(device),
+            num_threads=threads,
         )
 
     def _load_head(self, device: torch.device) -> WeightHead | None:

@@ -22,6 +22,8 @@ import threading
 import time
 from collections import deque
 
+import torch
+
 from server.engine.row import Row
 from server.engine.step import Models, StepTimers, prefill, run_round
 
@@ -78,6 +80,8 @@ class Scheduler:
 
     # -- scheduler thread ------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.models.num_threads:  # per-thread OpenMP setting: affects only this thread
+            torch.set_num_threads(self.models.num_threads)
         while True:
             with self._cv:
                 while not self._stopping and not self._running and not self._waiting:

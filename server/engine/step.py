@@ -64,6 +64,7 @@ class Models:
     draft_cache: KVCache
     device: torch.device
     head: WeightHead | None = None
+    num_threads: int | None = None  # intra-op threads for the thread running the model math
 
 
 def _sync(device: torch.device) -> None:
