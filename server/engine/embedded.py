@@ -160,9 +160,15 @@ class EmbeddedEngine:
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        if not getattr(self.tokenizer, "chat_template", None):
+            msg = f"model {self.info.model!r} has no chat template; send a plain prompt"
+            raise EngineError(msg, "invalid_request")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:  # template errors (bad roles, missing keys) are the caller's
+            raise EngineError(f"chat template failed: {exc}", "invalid_request") from exc
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
