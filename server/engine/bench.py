@@ -2,8 +2,9 @@
 
 Methods (every row measured in the same run, same prompts, same max_tokens, EOS ignored):
     hf_generate           HF `generate` on the target alone (batched with left padding).
-    hf_assisted           HF assisted generation (`assistant_model`, constant N). HF supports batch
-                          size 1 only, so at concurrency c the c requests run one after another.
+    hf_assisted           HF assisted generation (`assistant_model`, constant N, HF defaults otherwise:
+                          its assistant_confidence_threshold may end a draft early). HF supports
+                          batch size 1 only, so at concurrency c the c requests run one after another.
     hf_assisted_w0.5      the same with `assistant_ensemble_weight=0.5` (installed transformers has it).
     dialspec_ar           the embedded engine, target-only (autoregressive rows).
     dialspec_sd           the embedded engine, speculative with w = 1 (lossless).
@@ -196,13 +197,34 @@ def run_bench(
         if progress:
             progress.advance(task)
 
+    hf_models = None
+    if hf_plan:
+        dtype = engine.config.dtype
+        hf_models = (
+            AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).eval(),
+            AutoModelForCausalLM.from_pretrained(str(draft_path), dtype=dtype).eval(),
+        )
+        _hf_run(*hf_models, tok, chats[:1], 4, temperature, num_draft)  # warm-up
+
+    def run_hf(method: str, c: int) -> tuple[int, float]:
+        target, draft = hf_models
+        texts = [chats[i % len(chats)] for i in range(c)]
+        d = None if method == "hf_generate" else draft
+        w = 0.5 if method.endswith("w0.5") else None
+        runs = [_hf_run(target, d, tok, texts, max_tokens, temperature, num_draft, w) for _ in range(waves)]
+        return sum(r[0] for r in runs), sum(r[1] for r in runs)
+
     try:
         _engine_run(engine, prompt_ids[:2], 4, temperature, "speculative", 1.0)  # warm-up
-        for _ in range(trials):  # trials interleave methods so host noise hits all of them alike
+        # Trials interleave every method (engine and HF, whose models idle side by side) so that
+        # host noise hits all of them alike; the fastest trial of each row is kept.
+        for _ in range(trials):
             for c in concurrency:
                 ids = [prompt_ids[i % len(prompt_ids)] for i in range(c)]
                 for method, mode, w in plan:
                     keep((method, c), _engine_run(engine, ids, max_tokens, temperature, mode, w, waves))
+                for method in hf_plan:
+                    keep((method, c), run_hf(method, c))
     finally:
         engine.scheduler.stop()
     rows: list[BenchRow] = []
@@ -212,27 +234,11 @@ def run_bench(
             row = _spec_row(method, c, *best[(method, c)], num_draft, ar)
             ar = row if mode == "autoregressive" else ar
             rows.append(row)
-    if hf_plan:
-        dtype = engine.config.dtype
-        target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).eval()
-        draft = AutoModelForCausalLM.from_pretrained(str(draft_path), dtype=dtype).eval()
-        _hf_run(target, draft, tok, chats[:1], 4, temperature, num_draft)  # warm-up
-        for _ in range(trials):
-            for c in concurrency:
-                texts = [chats[i % len(chats)] for i in range(c)]
-                for method in hf_plan:
-                    d = None if method == "hf_generate" else draft
-                    w = 0.5 if method.endswith("w0.5") else None
-                    runs = [
-                        _hf_run(target, d, tok, texts, max_tokens, temperature, num_draft, w)
-                        for _ in range(waves)
-                    ]
-                    keep((method, c), (sum(r[0] for r in runs), sum(r[1] for r in runs)))
-        for c in concurrency:
-            for method in hf_plan:
-                tokens, secs = best[(method, c)]
-                note = "sequential (HF assisted is batch-1 only)" if method != "hf_generate" and c > 1 else ""
-                rows.append(BenchRow(method, c, tokens, secs, tokens / secs, note=note))
+    for c in concurrency:
+        for method in hf_plan:
+            tokens, secs = best[(method, c)]
+            note = "sequential (HF assisted is batch-1 only)" if method != "hf_generate" and c > 1 else ""
+            rows.append(BenchRow(method, c, tokens, secs, tokens / secs, note=note))
     meta = {
         "target": str(target_path), "draft": str(draft_path), "max_tokens": max_tokens,
         "num_draft": num_draft, "temperature": temperature, "concurrency": list(concurrency),
