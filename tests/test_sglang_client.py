@@ -213,6 +213,7 @@ def test_cancel_mid_stream_releases_the_request(fake, tiny_pair):
 
 def test_router_url_with_path_prefix_works_the_same(fake, tiny_pair):
     """An SGLang router forwards `/generate` unchanged; a base URL with a path must be kept."""
+
     async def proxy(request: httpx.Request) -> httpx.Response:
         assert request.url.path.startswith("/router/")
         url = fake.url + request.url.path[len("/router") :]
