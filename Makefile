@@ -21,12 +21,17 @@ $(STAMP): pyproject.toml
 	# torch first, pinned to the CPU wheel that lies on these machines.
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[dev]"
-	# SGLang's own source, so the plugin tests check against its real code on CPU
-	# (docs/sglang.md). --no-deps keeps its CUDA stack out; the light deps are what its
-	# CPU-importable modules import. torch is named again so no dep can swap the CPU build.
+	touch $(STAMP)
+
+# Test-only: SGLang's own source, so the plugin tests check against its real code on CPU
+# (docs/sglang.md). --no-deps keeps its CUDA stack out; the light deps are what its
+# CPU-importable modules import. torch is named again so no dep can swap the CPU build.
+# `make serve` does not need any of it (about 1 GB with triton).
+SGL_STAMP := $(VENV)/.installed-sglang-cpu
+$(SGL_STAMP): $(STAMP)
 	$(BIN)/pip install -q --no-deps "sglang==0.5.23"
 	$(BIN)/pip install -q "torch==2.13.0" $(SGLANG_CPU_DEPS)
-	touch $(STAMP)
+	touch $(SGL_STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -36,7 +41,7 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint
+test: lint deploy-tools $(SGL_STAMP)
 	$(BIN)/python -m pytest -q
 
 serve: $(STAMP)
@@ -51,6 +56,5 @@ clean:
 # tests/test_deploy.py checks deploy/ statically with promtool and docker-compose (Debian packages,
 # installed once; CI runs as root). The test fails, never skips, when they are missing.
 .PHONY: deploy-tools
-test: deploy-tools
 deploy-tools: $(STAMP)
 	sh deploy/scripts/install-test-tools.sh $(BIN)
