@@ -3,6 +3,8 @@
     dialspec serve                         # the shipped embedded pair on 127.0.0.1:8000
     dialspec serve --target T --draft D    # any HF-format pair sharing a tokenizer
     dialspec serve --port 0                # a free port (the URL line says which)
+    dialspec serve --backend sglang --sglang-url http://gpu-0:30000 --tokenizer T
+                                           # front an SGLang runtime or router (GPU nodes)
 
 Settings beyond the flags come from `DIALSPEC_*` environment variables or `--config FILE`
 (see settings.py). The engine module (torch) is imported only here, when serving starts.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -38,6 +41,22 @@ def register(subparsers) -> None:
     p.add_argument("--config", type=Path, help="gateway settings file (.toml or .json)")
     p.add_argument("--api-key", action="append", dest="api_keys", help="require this Bearer key (repeatable)")
     p.add_argument("--max-waiting", type=int, help="queued requests beyond which the server answers 429")
+    p.add_argument(
+        "--backend",
+        choices=["embedded", "sglang"],
+        default=os.environ.get("DIALSPEC_BACKEND", "embedded"),
+        help="engine: the embedded CPU engine, or an SGLang runtime/router (env DIALSPEC_BACKEND)",
+    )
+    p.add_argument(
+        "--sglang-url",
+        default=os.environ.get("DIALSPEC_SGLANG_URL"),
+        help="SGLang runtime or router base URL, without /v1 (env DIALSPEC_SGLANG_URL)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=os.environ.get("DIALSPEC_TOKENIZER"),
+        help="sglang backend: the pair's tokenizer (dir or HF id; env DIALSPEC_TOKENIZER)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -117,6 +136,35 @@ def _settings(args):
         ) from None
 
 
+def _embedded_engine(args, target: Path, draft: Path, name: str | None):
+    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig  # torch: only now
+
+    return EmbeddedEngine(
+        EmbeddedEngineConfig(
+            target_path=target,
+            draft_path=draft,
+            num_draft=args.num_draft,
+            max_batch=args.max_batch,
+            max_context=args.max_context,
+            device=args.device,
+            served_name=args.served_name or name,
+        )
+    )
+
+
+def _sglang_engine(args):
+    from server.engine.sglang_client import SGLangEngine
+
+    return SGLangEngine(
+        args.sglang_url,
+        args.tokenizer,
+        model=args.served_name or "dialspec-pair",
+        num_draft=args.num_draft,
+        max_context=args.max_context,
+        max_batch=args.max_batch,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     for flag, value in (("--num-draft", args.num_draft), ("--max-batch", args.max_batch)):
         if value < 1:
@@ -124,7 +172,11 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise CLIError("--port must lie in 0..65535")
     settings = _settings(args)
-    target, draft, name = _pair_paths(args)
+    if args.backend == "sglang" and not (args.sglang_url and args.tokenizer):
+        raise CLIError(
+            "--backend sglang needs --sglang-url and --tokenizer (or DIALSPEC_SGLANG_URL/_TOKENIZER)"
+        )
+    pair = _pair_paths(args) if args.backend == "embedded" else None
     sock = _bind(args.host, args.port)  # before loading models: a busy port fails in a second
 
     logging.basicConfig(
@@ -132,24 +184,13 @@ def run(args: argparse.Namespace) -> int:
     )
     import uvicorn
 
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig  # torch: only now
     from server.gateway.app import create_app
 
     try:
-        engine = EmbeddedEngine(
-            EmbeddedEngineConfig(
-                target_path=target,
-                draft_path=draft,
-                num_draft=args.num_draft,
-                max_batch=args.max_batch,
-                max_context=args.max_context,
-                device=args.device,
-                served_name=args.served_name or name,
-            )
-        )
+        engine = _embedded_engine(args, *pair) if pair else _sglang_engine(args)
     except Exception as exc:
         sock.close()
-        raise CLIError(f"cannot load the pair {target} + {draft}: {type(exc).__name__}: {exc}") from None
+        raise CLIError(f"cannot set up the {args.backend} engine: {type(exc).__name__}: {exc}") from None
 
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if ":" in args.host else args.host
