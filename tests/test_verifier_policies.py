@@ -21,7 +21,7 @@ from verifier import (
     tv_distance,
     verify,
 )
-from verifier.policies import cascade_verdict, lossy_verdict, typical_verdict
+from verifier.policies import RULES
 
 TRIALS = 200_000
 
@@ -34,12 +34,14 @@ def implied_law(p, q, accept, residual):
     return kept + rest * res
 
 
-def all_token_verdict(fn, p, q, *args):
-    """Evaluate a verdict for every vocabulary token as the draft: returns accept [V], residual [V]."""
+def all_token_verdict(policy: Policy, p, q):
+    """Evaluate `policy` with every vocabulary token as the draft: returns accept [V], residual [V]."""
     v = p.numel()
-    pp, qq = p.expand(v, 1, v), q.expand(v, 1, v)
-    acc, res, _ = fn(pp, qq, torch.arange(v).view(v, 1), *[a.expand(v) for a in args])
-    return acc[:, 0], res[0, 0]
+    accept, residual, _ = RULES[policy.kind]
+    params = PolicyBatch.from_policies([policy] * v)
+    pp, qq, w = p.expand(v, 1, v), q.expand(v, 1, v), torch.ones(v, 1, dtype=p.dtype)
+    acc = accept(pp, qq, torch.arange(v).view(v, 1), w, params)  # [V, 1]
+    return acc[:, 0].to(p.dtype), residual(pp, qq, w, params)[0, 0]
 
 
 @pytest.mark.parametrize(
@@ -57,18 +59,7 @@ def test_baseline_policy_emits_its_implied_law(policy):
     v = 12
     p = (torch.randn(v, generator=gen, dtype=torch.float64) * 1.5).softmax(-1)
     q = (torch.randn(v, generator=gen, dtype=torch.float64) * 1.5).softmax(-1)
-    fn, args = {
-        PolicyKind.LOSSY: (lossy_verdict, [torch.tensor([policy.lenience], dtype=torch.float64)]),
-        PolicyKind.CASCADE: (cascade_verdict, [torch.tensor([policy.alpha], dtype=torch.float64)]),
-        PolicyKind.TYPICAL: (
-            typical_verdict,
-            [
-                torch.tensor([policy.epsilon], dtype=torch.float64),
-                torch.tensor([policy.delta], dtype=torch.float64),
-            ],
-        ),
-    }[policy.kind]
-    accept, residual = all_token_verdict(fn, p, q, *args)
+    accept, residual = all_token_verdict(policy, p, q)
     law = implied_law(p, q, accept, residual)
 
     x = torch.multinomial(q, TRIALS, replacement=True, generator=gen).view(TRIALS, 1)
@@ -88,9 +79,9 @@ def test_baseline_policy_emits_its_implied_law(policy):
 def test_lossy_lenience_one_is_lossless_and_lower_lenience_accepts_more():
     gen = torch.Generator().manual_seed(22)
     p, q = torch.rand(10, generator=gen).softmax(-1), torch.rand(10, generator=gen).softmax(-1)
-    a1, _ = all_token_verdict(lossy_verdict, p, q, torch.tensor([1.0]))
+    a1, _ = all_token_verdict(Policy(kind=PolicyKind.LOSSY, lenience=1.0), p, q)
     assert torch.allclose(a1, (p / q).clamp(max=1))
-    a_half, _ = all_token_verdict(lossy_verdict, p, q, torch.tensor([0.5]))
+    a_half, _ = all_token_verdict(Policy(kind=PolicyKind.LOSSY, lenience=0.5), p, q)
     assert bool((a_half >= a1).all()) and float((q * a_half).sum()) > float((q * a1).sum())
 
 
@@ -99,9 +90,9 @@ def test_cascade_defers_only_when_draft_is_less_confident():
     p = torch.tensor([0.9, 0.02, 0.02, 0.02, 0.02, 0.02])
     q_unsure = torch.full((v,), 1 / v)
     q_sure = torch.tensor([0.02, 0.9, 0.02, 0.02, 0.02, 0.02])
-    acc, _ = all_token_verdict(cascade_verdict, p, q_unsure, torch.tensor([0.1]))
+    acc, _ = all_token_verdict(Policy(kind=PolicyKind.CASCADE, alpha=0.1), p, q_unsure)
     assert torch.allclose(acc, (p / q_unsure).clamp(max=1))  # deferred: π = p
-    acc, _ = all_token_verdict(cascade_verdict, p, q_sure, torch.tensor([0.1]))
+    acc, _ = all_token_verdict(Policy(kind=PolicyKind.CASCADE, alpha=0.1), p, q_sure)
     assert torch.allclose(acc, torch.ones(v))  # kept: π = q accepts everything
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier.policies import PolicyBatch, verdicts
+from verifier.policies import PolicyBatch, accept_probs, greedy_targets, kinds_present, residuals
 from verifier.sampling import sample_inverse_cdf
 
 PAD_TOKEN = -1
@@ -29,7 +29,7 @@ class VerifyResult:
         return self.num_accepted + 1
 
 
-def _check_inputs(target_probs, draft_probs, draft_tokens, weights, greedy, uniforms):
+def _check_shapes(target_probs, draft_probs, draft_tokens, uniforms):
     if target_probs.dim() != 3 or draft_probs.dim() != 3 or draft_tokens.dim() != 2:
         raise ValueError(
             "expected target_probs [B, N+1, V], draft_probs [B, N, V], draft_tokens [B, N]; got "
@@ -44,24 +44,35 @@ def _check_inputs(target_probs, draft_probs, draft_tokens, weights, greedy, unif
         raise ValueError(f"draft_tokens must be [B, N] = {(b, n)}, got {tuple(draft_tokens.shape)}")
     if draft_tokens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
-    if n > 0 and (bool((draft_tokens < 0).any()) or bool((draft_tokens >= v).any())):
-        raise ValueError(f"draft_tokens must lie in [0, {v})")
-    w = torch.as_tensor(weights, dtype=target_probs.dtype, device=target_probs.device)
+    if uniforms is not None and tuple(uniforms.shape) != (b, n + 1):
+        raise ValueError(f"uniforms must be [B, N+1] = {(b, n + 1)}, got {tuple(uniforms.shape)}")
+
+
+def _broadcast(weights, greedy, b: int, n: int, like: torch.Tensor):
+    """weights -> `[B, N]`, greedy -> `[B]` bool (shape errors only; no host sync)."""
+    w = torch.as_tensor(weights, dtype=like.dtype, device=like.device)
     if w.dim() == 0:
         w = w.expand(b, n)
     elif w.dim() == 1 and w.shape[0] == b:
         w = w.unsqueeze(1).expand(b, n)
     elif tuple(w.shape) != (b, n):
         raise ValueError(f"weights must be a float, [B]={b} or [B, N]={(b, n)}, got {tuple(w.shape)}")
-    if bool(torch.isnan(w).any()) or bool((w < 0).any()) or bool((w > 1).any()):
-        raise ValueError("weights must lie in [0, 1] (no NaN)")
-    g = torch.as_tensor(greedy, dtype=torch.bool, device=target_probs.device)
+    g = torch.as_tensor(greedy, dtype=torch.bool, device=like.device)
     g = g.expand(b) if g.dim() == 0 else g
     if tuple(g.shape) != (b,):
         raise ValueError(f"greedy must be a bool or [B]={b} bools, got {tuple(g.shape)}")
-    if uniforms is not None and tuple(uniforms.shape) != (b, n + 1):
-        raise ValueError(f"uniforms must be [B, N+1] = {(b, n + 1)}, got {tuple(uniforms.shape)}")
     return w, g
+
+
+def _check_values(draft_tokens: torch.Tensor, w: torch.Tensor, vocab: int) -> None:
+    """Token range and weight range in one host sync (the checks run on every decoding round)."""
+    bad_tokens = ((draft_tokens < 0) | (draft_tokens >= vocab)).any()
+    bad_weights = (torch.isnan(w) | (w < 0) | (w > 1)).any()
+    bad_tokens, bad_weights = torch.stack([bad_tokens, bad_weights]).tolist()
+    if bad_tokens:
+        raise ValueError(f"draft_tokens must lie in [0, {vocab})")
+    if bad_weights:
+        raise ValueError("weights must lie in [0, 1] (no NaN)")
 
 
 def verify(
@@ -74,6 +85,7 @@ def verify(
     greedy=False,
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
+    validate: bool = True,
 ) -> VerifyResult:
     """Verify a batch of draft chains against the ensemble ν = w·p + (1−w)·q (or a baseline policy).
 
@@ -93,6 +105,8 @@ def verify(
         uniforms        optional `[B, N+1]` in [0, 1): row b's coins for the N acceptance tests and
                         the final draw. Pass per-request streams here for batch-invariant seeding;
                         otherwise they are drawn from `generator`.
+        validate        check token and weight ranges (one host sync). Engines that build their
+                        inputs themselves may pass False on the hot path; shapes are always checked.
 
     Algorithm (sampling rows): accept x_i with probability `a_i` (policy-defined; for the ensemble
     `min(1, ν(x_i)/q(x_i))`) until the first rejection k; emit x_1..x_k, then one token from
@@ -104,37 +118,56 @@ def verify(
     `accept_probs` `[B, N]` (acceptance probability per position; 0/1 on greedy rows — for metrics
     and training). Raises ValueError naming the offending argument on bad shapes, tokens or weights.
     """
-    w, greedy_rows = _check_inputs(target_probs, draft_probs, draft_tokens, weights, greedy, uniforms)
+    _check_shapes(target_probs, draft_probs, draft_tokens, uniforms)
     if policy is not None and policy.batch_size != draft_probs.shape[0]:
         raise ValueError(f"policy has {policy.batch_size} rows, batch has {draft_probs.shape[0]}")
-    b, n, _ = draft_probs.shape
+    b, n, vocab = draft_probs.shape
+    w, greedy_rows = _broadcast(weights, greedy, b, n, target_probs)
+    if validate:
+        _check_values(draft_tokens, w, vocab)
     device = target_probs.device
     if uniforms is None:
         uniforms = torch.rand(b, n + 1, generator=generator, device=device)
     x = draft_tokens.long()
-    p, p_bonus = target_probs[:, :n], target_probs[:, n]  # [B, N, V], [B, V]
+    p, q, p_bonus = target_probs[:, :n], draft_probs, target_probs[:, n]  # [B, N, V] x2, [B, V]
+    kinds = kinds_present(policy)
+    # A Python bool needs no sync; a per-row mask is checked once, so all-sampling batches never
+    # build the [B, N, V] greedy targets.
+    num_greedy = int(greedy_rows.sum()) if isinstance(greedy, torch.Tensor) else b * bool(greedy)
+    any_greedy, all_greedy = num_greedy > 0, num_greedy == b
 
-    accept_prob, residual, greedy_target = verdicts(p, draft_probs, x, w, policy)  # [B,N], [B,N,V] x2
-    greedy_pick = greedy_target.argmax(-1)  # [B, N]
-    accepted = torch.where(greedy_rows.unsqueeze(-1), x == greedy_pick, uniforms[:, :n] < accept_prob)
+    accept_prob = accept_probs(p, q, x, w, policy, kinds)  # [B, N]
+    accepted = uniforms[:, :n] < accept_prob  # [B, N]
+    if any_greedy:
+        greedy_pick = greedy_targets(p, q, w, policy, kinds).argmax(-1)  # [B, N]
+        accepted = torch.where(greedy_rows.unsqueeze(-1), x == greedy_pick, accepted)
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B]
 
-    # The distribution of the one extra token: residual at the first rejection, else p_N.
-    k = num_accepted.clamp(max=max(n - 1, 0))
-    all_accepted = (num_accepted == n).unsqueeze(-1)  # [B, 1]
+    # The one extra token: the correction at the first rejection k, else the bonus from p_N.
+    all_accepted = num_accepted == n  # [B]
     if n > 0:
         rows = torch.arange(b, device=device)
-        res_k, p_k = residual[rows, k], p[rows, k]  # [B, V]
-        res_k = torch.where(res_k.sum(-1, keepdim=True) <= _RESIDUAL_FLOOR, p_k, res_k)
-        final_dist = torch.where(all_accepted, p_bonus, res_k)  # [B, V]
-        greedy_final = torch.where(all_accepted.squeeze(-1), p_bonus.argmax(-1), greedy_pick[rows, k])
+        k = num_accepted.clamp(max=n - 1)  # [B]
+        p_k, q_k, w_k = p[rows, k].unsqueeze(1), q[rows, k].unsqueeze(1), w[rows, k].unsqueeze(1)
+        res_k = residuals(p_k, q_k, w_k, policy, kinds)[:, 0]  # [B, V]
+        res_k = torch.where(res_k.sum(-1, keepdim=True) <= _RESIDUAL_FLOOR, p_k[:, 0], res_k)
+        final_dist = torch.where(all_accepted.unsqueeze(-1), p_bonus, res_k)  # [B, V]
+        greedy_final = (
+            torch.where(all_accepted, p_bonus.argmax(-1), greedy_pick[rows, k]) if any_greedy else None
+        )
     else:
         final_dist, greedy_final = p_bonus, p_bonus.argmax(-1)
-    final = torch.where(greedy_rows, greedy_final, sample_inverse_cdf(final_dist, uniforms[:, n]))  # [B]
+    if all_greedy:
+        final = greedy_final
+    else:
+        final = sample_inverse_cdf(final_dist, uniforms[:, n])  # [B]
+        if any_greedy:
+            final = torch.where(greedy_rows, greedy_final, final)
 
     positions = torch.arange(n + 1, device=device).unsqueeze(0)  # [1, N+1]
     padded_drafts = torch.cat([x, x.new_full((b, 1), PAD_TOKEN)], dim=1)  # [B, N+1]
     tokens = torch.where(positions < num_accepted.unsqueeze(-1), padded_drafts, PAD_TOKEN)
     tokens = torch.where(positions == num_accepted.unsqueeze(-1), final.unsqueeze(-1), tokens)
-    accept_probs = torch.where(greedy_rows.unsqueeze(-1), accepted.to(accept_prob.dtype), accept_prob)
-    return VerifyResult(num_accepted=num_accepted, tokens=tokens, accept_probs=accept_probs)
+    if any_greedy:
+        accept_prob = torch.where(greedy_rows.unsqueeze(-1), accepted.to(accept_prob.dtype), accept_prob)
+    return VerifyResult(num_accepted=num_accepted, tokens=tokens, accept_probs=accept_prob)

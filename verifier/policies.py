@@ -1,12 +1,12 @@
 """Acceptance policies: how a draft token `x ~ q` is judged against the target `p`.
 
 Every policy answers the same three questions for each draft position, as tensors:
-    accept_prob `[B, N]`     probability of accepting the draft token there;
-    residual    `[B, N, V]`  distribution to sample the correction from on the first rejection
-                            (unnormalised is fine; rows with no mass fall back to p);
-    greedy      `[B, N, V]`  distribution whose argmax is the verdict at temperature 0.
+    accept    `[B, N]`     probability of accepting the draft token there;
+    residual  `[B, N, V]`  distribution to sample the correction from on the first rejection
+                          (unnormalised is fine; rows with no mass fall back to p);
+    greedy    `[B, N, V]`  distribution whose argmax is the verdict at temperature 0.
 
-Policies (DESIGN.md section 1):
+Policies (DESIGN.md section 1; one `RULES` entry each):
     ENSEMBLE  (DIVERSED) `ν = w·p + (1−w)·q`; accept `min(1, ν(x)/q(x)) = min(1, 1 − w + w·p/q)`;
               residual `max(0, ν − q) = w·max(0, p − q)`, i.e. the ordinary SD residual. w = 1 is
               lossless SD; a `[B, N]` weight tensor gives per-token weights from a learned head.
@@ -16,8 +16,7 @@ Policies (DESIGN.md section 1):
     TYPICAL   Medusa typical acceptance: accept iff `p(x) > min(ε, δ·exp(−H(p)))`; residual p.
 
 A batch may mix policies row by row (`PolicyBatch.kind`); each kind present is evaluated over the
-whole batch and selected with `torch.where`, which costs a few `[B, N, V]` element-wise passes and
-no Python loop over rows.
+whole batch and selected with `torch.where`: a few element-wise passes, no Python loop over rows.
 """
 
 from __future__ import annotations
@@ -96,54 +95,116 @@ def _token_prob(dist: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return dist.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def ensemble_verdict(p, q, x, w):
-    """p, q `[B, N, V]`; x `[B, N]`; w `[B, N]`. Returns (accept_prob, residual, greedy)."""
-    px, qx = _token_prob(p, x), _token_prob(q, x)  # [B, N]
-    accept = (1.0 - w + w * px / qx.clamp_min(_TINY)).clamp(max=1.0)
-    nu = w.unsqueeze(-1) * p + (1.0 - w.unsqueeze(-1)) * q  # [B, N, V]
-    return accept, (p - q).clamp_min(0.0), nu
+def _col(values: torch.Tensor) -> torch.Tensor:
+    """Per-row parameter `[B]` -> `[B, 1]`, broadcasting over positions."""
+    return values.unsqueeze(-1)
 
 
-def lossy_verdict(p, q, x, lenience):
-    """lenience `[B]`. Accept `min(1, p/(l·q))`; residual and greedy target are those of SD."""
+# Each policy is three pure functions over p, q `[B, M, V]` and per-row parameters `[B]`
+# (M = N at the draft positions, or 1 when only the rejection position is needed):
+#   accept(p, q, x, w, params) -> [B, M]      probability of accepting draft x
+#   residual(p, q, w, params)  -> [B, M, V]   where a rejection's correction is drawn from
+#   greedy(p, q, w, params)    -> [B, M, V]   whose argmax is the temperature-0 verdict
+# Splitting them lets `verify` evaluate the [.., V] distributions only where it needs them.
+
+
+def ensemble_accept(p, q, x, w, params=None):
+    """`min(1, ν(x)/q(x)) = min(1, 1 − w + w·p(x)/q(x))`; w `[B, M]`."""
+    px, qx = _token_prob(p, x), _token_prob(q, x)  # [B, M]
+    return (1.0 - w + w * px / qx.clamp_min(_TINY)).clamp(max=1.0)
+
+
+def ensemble_residual(p, q, w, params=None):
+    """`max(0, ν − q) = w·max(0, p − q)`: the SD residual (w only rescales it)."""
+    return (p - q).clamp_min(0.0)
+
+
+def ensemble_greedy(p, q, w, params=None):
+    return w.unsqueeze(-1) * p + (1.0 - w.unsqueeze(-1)) * q  # ν [B, M, V]
+
+
+def lossy_accept(p, q, x, w, params):
+    """`min(1, p(x)/(l·q(x)))`."""
     px, qx = _token_prob(p, x), _token_prob(q, x)
-    accept = (px / (lenience.unsqueeze(-1) * qx).clamp_min(_TINY)).clamp(max=1.0)
-    return accept, (p - q).clamp_min(0.0), p
+    return (px / (_col(params.lenience) * qx).clamp_min(_TINY)).clamp(max=1.0)
 
 
-def cascade_verdict(p, q, x, alpha):
-    """alpha `[B]`. π = p where the draft is not confident enough relative to the target."""
-    defer = q.amax(-1) < p.amax(-1) - alpha.unsqueeze(-1) * tv_distance(p, q)  # [B, N]
-    pi = torch.where(defer.unsqueeze(-1), p, q)  # [B, N, V]
-    accept = (_token_prob(pi, x) / _token_prob(q, x).clamp_min(_TINY)).clamp(max=1.0)
-    return accept, (pi - q).clamp_min(0.0), pi
+def target_greedy(p, q, w, params):
+    return p
 
 
-def typical_verdict(p, q, x, epsilon, delta):
-    """epsilon, delta `[B]`. Deterministic accept/reject; resample from p on rejection."""
-    entropy = -(p * p.clamp_min(_TINY).log()).sum(-1)  # [B, N]
-    threshold = torch.minimum(epsilon.unsqueeze(-1), delta.unsqueeze(-1) * torch.exp(-entropy))
-    accept = (_token_prob(p, x) > threshold).to(p.dtype)
-    return accept, p, p
+def _cascade_pi(p, q, params):
+    """π = p where the draft is less confident than the target by more than α·TV, else q."""
+    defer = q.amax(-1) < p.amax(-1) - _col(params.alpha) * tv_distance(p, q)  # [B, M]
+    return torch.where(defer.unsqueeze(-1), p, q)  # [B, M, V]
 
 
-def verdicts(p, q, x, w, policy: PolicyBatch | None):
-    """Evaluate each row's policy. Returns accept_prob `[B, N]`, residual and greedy `[B, N, V]`."""
-    accept, residual, greedy = ensemble_verdict(p, q, x, w)
+def cascade_accept(p, q, x, w, params):
+    pi = _cascade_pi(p, q, params)
+    return (_token_prob(pi, x) / _token_prob(q, x).clamp_min(_TINY)).clamp(max=1.0)
+
+
+def cascade_residual(p, q, w, params):
+    return (_cascade_pi(p, q, params) - q).clamp_min(0.0)
+
+
+def cascade_greedy(p, q, w, params):
+    return _cascade_pi(p, q, params)
+
+
+def typical_accept(p, q, x, w, params):
+    """Deterministic: accept iff `p(x) > min(ε, δ·exp(−H(p)))`."""
+    entropy = -(p * p.clamp_min(_TINY).log()).sum(-1)  # [B, M]
+    threshold = torch.minimum(_col(params.epsilon), _col(params.delta) * torch.exp(-entropy))
+    return (_token_prob(p, x) > threshold).to(p.dtype)
+
+
+def typical_residual(p, q, w, params):
+    return p  # Medusa resamples from the target on rejection
+
+
+RULES = {
+    PolicyKind.ENSEMBLE: (ensemble_accept, ensemble_residual, ensemble_greedy),
+    PolicyKind.LOSSY: (lossy_accept, ensemble_residual, target_greedy),
+    PolicyKind.CASCADE: (cascade_accept, cascade_residual, cascade_greedy),
+    PolicyKind.TYPICAL: (typical_accept, typical_residual, target_greedy),
+}
+_ACCEPT, _RESIDUAL, _GREEDY = 0, 1, 2
+
+
+def kinds_present(policy: PolicyBatch | None) -> frozenset:
+    """Policy kinds among the rows (one host sync); ENSEMBLE only when `policy` is None."""
     if policy is None:
-        return accept, residual, greedy
-    present = set(policy.kind.unique().tolist())
-    others = {
-        PolicyKind.LOSSY: lambda: lossy_verdict(p, q, x, policy.lenience),
-        PolicyKind.CASCADE: lambda: cascade_verdict(p, q, x, policy.alpha),
-        PolicyKind.TYPICAL: lambda: typical_verdict(p, q, x, policy.epsilon, policy.delta),
-    }
-    for kind, compute in others.items():
-        if kind not in present:
+        return frozenset({PolicyKind.ENSEMBLE})
+    return frozenset(PolicyKind(k) for k in policy.kind.unique().tolist())
+
+
+def _per_row(which: int, policy, kinds, *args):
+    """Evaluate rule `which` for every kind present and select each row's own result."""
+    if policy is None or len(kinds) == 1:
+        (kind,) = kinds
+        return RULES[kind][which](*args, policy)
+    out = None
+    for kind in sorted(kinds):
+        value = RULES[kind][which](*args, policy)
+        if out is None:
+            out = value
             continue
-        rows = (policy.kind == kind).view(-1, 1)  # [B, 1]
-        a, r, g = compute()
-        accept = torch.where(rows, a, accept)
-        residual = torch.where(rows.unsqueeze(-1), r, residual)
-        greedy = torch.where(rows.unsqueeze(-1), g, greedy)
-    return accept, residual, greedy
+        rows = (policy.kind == kind).view(-1, *([1] * (value.dim() - 1)))  # [B, 1(, 1)]
+        out = torch.where(rows, value, out)
+    return out
+
+
+def accept_probs(p, q, x, w, policy: PolicyBatch | None, kinds) -> torch.Tensor:
+    """Acceptance probability of each draft token under its row's policy. `[B, M]`."""
+    return _per_row(_ACCEPT, policy, kinds, p, q, x, w)
+
+
+def residuals(p, q, w, policy: PolicyBatch | None, kinds) -> torch.Tensor:
+    """Unnormalised correction distributions. `[B, M, V]`."""
+    return _per_row(_RESIDUAL, policy, kinds, p, q, w)
+
+
+def greedy_targets(p, q, w, policy: PolicyBatch | None, kinds) -> torch.Tensor:
+    """Distributions whose argmax is each row's temperature-0 verdict. `[B, M, V]`."""
+    return _per_row(_GREEDY, policy, kinds, p, q, w)
