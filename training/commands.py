@@ -142,7 +142,11 @@ def run_train(args) -> int:
     )
     if args.resume and not (Path(cfg.run_dir) / "checkpoint.pt").is_file():
         raise CLIError(f"--resume: no checkpoint at {cfg.run_dir}/checkpoint.pt")
-    summary = Trainer(cfg).train(resume=args.resume, progress=not args.no_progress)
+    try:
+        trainer = Trainer(cfg)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from exc
+    summary = trainer.train(resume=args.resume, progress=not args.no_progress)
     first, last = summary["dev"][0], summary["dev"][-1]
     print(
         f"trained {summary['updates']} updates in {summary['wall_s']:.0f}s; dev objective "
@@ -169,7 +173,7 @@ def run_eval_cmd(args) -> int:
         target_path=target, draft_path=draft, pair_name=name, head_path=head_path, seed=args.seed
     )
     if args.quick:
-        cfg.limit, cfg.max_tokens, cfg.w_sweep, cfg.dials = 6, 64, (0.0, 0.5), (0.25, 0.75)
+        cfg.limit, cfg.max_tokens, cfg.w_sweep, cfg.dials = 6, 48, (0.0, 0.5), (0.25, 0.75)
     for key, value in (
         ("limit", args.limit),
         ("tasks", args.tasks),

@@ -41,6 +41,17 @@ def frontier_score(points: list[tuple[float, float]], x: float, higher_x_better:
     return front[-1][1]
 
 
+def _envelope(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Pareto points (lower x, higher score) sorted by x, extended flat to the largest x."""
+    front, best = [], float("-inf")
+    for x, sc in sorted(points):
+        if sc > best:
+            front.append((x, sc))
+            best = sc
+    xmax = max(x for x, _ in points)
+    return front + ([(xmax, best)] if front[-1][0] < xmax else [])
+
+
 def verdicts(results: dict) -> dict:
     """Per task: each learned point's margins over the static frontier (time and acceptance axes)."""
     out = {}
@@ -126,12 +137,16 @@ def markdown(results: dict, verdict: dict) -> str:
                 f"  - {p['policy']}: score margin {p['margin_time']:+.3f} at equal normalised time, "
                 f"{p['margin_acceptance']:+.3f} at equal acceptance (score SE {p['score_se']:.3f})"
             )
-        word = "beats" if v["beats_time"] and v["beats_acceptance"] else "does not beat"
-        if v["beats_time"] != v["beats_acceptance"]:
-            bt, ba = v["beats_time"], v["beats_acceptance"]
-            word = f"beats on one axis only (time: {bt}, acceptance: {ba})"
-        clear = "clearly (> 2 SE)" if v["beats_clearly"] else "not by more than 2 SE"
-        lines.append(f"  - verdict: the learned head {word} the static frontier; {clear}.")
+        if v["beats_clearly"]:
+            word = "beats the static frontier by more than 2 SE on both axes"
+        elif v["beats_time"] and v["beats_acceptance"]:
+            word = "is above the static frontier on both axes, but within 2 SE (not significant)"
+        elif v["beats_time"] or v["beats_acceptance"]:
+            axis = "time" if v["beats_time"] else "acceptance"
+            word = f"is above the static frontier only on the {axis} axis, within noise"
+        else:
+            word = "does not beat the static frontier"
+        lines.append(f"  - verdict: the learned head {word}.")
     return "\n".join(lines) + "\n"
 
 
@@ -203,6 +218,10 @@ def plots(results: dict, out: Path) -> list[Path]:
             "-o",
             color=colors["static"],
             label="static ensemble (w sweep)",
+        )
+        front = _envelope([(r["norm_time"], r["score"]) for r in static])
+        ax.plot(
+            *zip(*front, strict=True), "-", color=colors["static"], lw=6, alpha=0.18, label="static frontier"
         )
         for r in static:
             ax.annotate(

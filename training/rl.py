@@ -18,6 +18,9 @@ Terms
     objective   `J = E[score] + E[λ(d)·acc − μ·gap²]` — the "regularised objective". Its gradient
                 has a score-function part (REINFORCE on r, with PPO-style clipping) and, because
                 acc and gap are explicit functions of w, a pathwise part added directly.
+    group       `group_size` consecutive rollouts share one prompt and one dial (different seeds);
+                with g > 1 each reward is first centred on its group's mean (the REINFORCE++-baseline
+                variant: prompt difficulty no longer masquerades as a good or bad policy).
     REINFORCE++ advantages `A = (r − mean r)/std r` over the global batch, broadcast to tokens;
                 clipped ratio `min(ρA, clip(ρ, 1±ε)A)` with `ρ = exp(log ν_θ − log ν_old)`, and a
                 token-level KL penalty `β·KL(ν_θ ‖ ν_ref)` (k3 estimator) to the initial head.
@@ -51,9 +54,10 @@ class TrainConfig:
     dials: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     updates: int = 40
     batch: int = 8  # rollouts per update
+    group_size: int = 1  # rollouts per prompt (and dial) within a batch; divides batch
     ppo_epochs: int = 2  # optimiser steps per rollout batch
     num_draft: int = 5
-    max_tokens: int = 96
+    max_tokens: int = 64  # the suite's references are <= ~40 tokens
     temperature: float = 1.0
     lr: float = 2e-2
     weight_decay: float = 0.0
@@ -64,6 +68,9 @@ class TrainConfig:
     lambda_min: float = 0.05
     lambda_max: float = 0.5
     budget_coef: float = 20.0  # μ; 0 = the paper's reward without the dial anchor
+    warm_start_steps: int = 200  # pathwise-only fit of the regulariser before RL (0 = off)
+    warm_start_lr: float = 5e-2
+    dial_conditioned: bool = True
     head_hidden: int = 0
     default_dial: float = 0.5
     eval_every: int = 10
@@ -142,8 +149,37 @@ def reinforce_pp_loss(
     )
 
 
-def normalised_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """REINFORCE++: `(r − mean)/std` over the global batch (zero when all rewards tie)."""
+def dial_warm_start(head: WeightHead, forced: Forced, cfg: TrainConfig) -> float:
+    """Fit the head to the regulariser alone on one batch of states, every dial on the grid.
+
+    No sampling and no task reward: this only teaches the head what the dial means (spend the
+    acceptance budget of static w = d), so RL starts from a head whose dial already works instead
+    of spending its few noisy updates on it. Returns the final mean regulariser. The reference
+    policy of the KL penalty is the head *after* this step.
+    """
+    if cfg.warm_start_steps <= 0 or not cfg.dial_conditioned:
+        return float("nan")
+    b, grid = forced.mask.shape[0], torch.tensor(cfg.dials, dtype=torch.float32)
+    rep = Forced.cat([forced] * len(grid))  # [G·B, T, ...]
+    dial = grid.repeat_interleave(b)  # [G·B]
+    opt = torch.optim.Adam(head.parameters(), lr=cfg.warm_start_lr)
+    value = torch.zeros(())
+    for _ in range(cfg.warm_start_steps):
+        value = regulariser(head_weights(head, rep, dial), rep, dial, cfg).mean()
+        opt.zero_grad(set_to_none=True)
+        (-value).backward()
+        opt.step()
+    return float(value.detach())
+
+
+def normalised_advantages(rewards: torch.Tensor, group_size: int = 1) -> torch.Tensor:
+    """REINFORCE++: `(r − baseline)/std` over the global batch (zero when all rewards tie).
+
+    The baseline is the batch mean, or with `group_size` g > 1 the mean of each run of g rollouts.
+    """
+    if group_size > 1:
+        groups = rewards.view(-1, group_size)  # [B/g, g]
+        rewards = (groups - groups.mean(1, keepdim=True)).flatten()
     centred = rewards - rewards.mean()
     std = rewards.std() if rewards.numel() > 1 else torch.zeros(())
     return centred / (std + 1e-6) if float(std) > 1e-8 else torch.zeros_like(rewards)
@@ -165,7 +201,7 @@ def update_step(
         ref_logp = nu_log_prob(head_weights(ref_head, forced, dial), forced)
         acc_old = expected_acceptance(w_old, forced)  # [B]
         rewards = scores + regulariser(w_old, forced, dial, cfg)
-        adv = normalised_advantages(rewards)
+        adv = normalised_advantages(rewards, cfg.group_size)
         w_mean = float((w_old * forced.mask).sum() / forced.mask.sum().clamp_min(1))
     parts = None
     for _ in range(cfg.ppo_epochs):
@@ -187,8 +223,10 @@ def update_step(
 
 
 def sample_dials(cfg: TrainConfig, step: int, n: int) -> torch.Tensor:
-    """Per-rollout dial values `[n]`, deterministic in (seed, step): a shuffled cycle of the grid."""
+    """Per-rollout dial values `[n]`, deterministic in (seed, step): a shuffled cycle of the grid,
+    one value per group of `group_size` rollouts."""
     rng = random.Random(f"dials:{cfg.seed}:{step}")
-    grid = list(cfg.dials) * (n // len(cfg.dials) + 1)
+    groups = -(-n // cfg.group_size)
+    grid = list(cfg.dials) * (groups // len(cfg.dials) + 1)
     rng.shuffle(grid)
-    return torch.tensor(grid[:n], dtype=torch.float32)
+    return torch.tensor(grid[:groups], dtype=torch.float32).repeat_interleave(cfg.group_size)[:n]

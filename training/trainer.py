@@ -26,6 +26,7 @@ from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOpt
 from training import tasks
 from training.rl import (
     TrainConfig,
+    dial_warm_start,
     head_weights,
     lr_factor,
     regulariser,
@@ -45,6 +46,8 @@ def _seed(*parts) -> int:
 class Trainer:
     def __init__(self, cfg: TrainConfig, log=print):
         self.cfg, self.log = cfg, log
+        if cfg.group_size < 1 or cfg.batch % cfg.group_size:
+            raise ValueError(f"group_size {cfg.group_size} must divide batch {cfg.batch}")
         torch.manual_seed(cfg.seed)
         self.head = head_for_pair(
             cfg.target_path,
@@ -52,6 +55,7 @@ class Trainer:
             cfg.pair_name,
             hidden=cfg.head_hidden,
             default_dial=cfg.default_dial,
+            dial_conditioned=cfg.dial_conditioned,
         )
         self.ref = WeightHead(self.head.config)
         self.ref.load_state_dict(self.head.state_dict())
@@ -144,7 +148,8 @@ class Trainer:
         import random
 
         rng = random.Random(_seed("batch", self.cfg.seed, step))
-        return [rng.choice(self.train_set) for _ in range(self.cfg.batch)]
+        g = self.cfg.group_size
+        return [ex for _ in range(self.cfg.batch // g) for ex in [rng.choice(self.train_set)] * g]
 
     @torch.no_grad()
     def evaluate_dev(self) -> dict:
@@ -213,8 +218,10 @@ class Trainer:
         t0 = time.perf_counter()
         forced, scores = self.rollouts(examples, dials, seeds)
         t1 = time.perf_counter()
-        if not self.calibrated:  # standardise the head's inputs once, before the first update
+        if not self.calibrated:  # standardise the head's inputs, teach it the dial, then fix the reference
             self.head.calibrate(forced.h_draft[forced.mask], forced.h_target[forced.mask])
+            value = dial_warm_start(self.head, forced, cfg)
+            self.log(f"dial warm start: regulariser {value:.4f}")
             self.ref.load_state_dict(self.head.state_dict())
             self.calibrated = True
         self.head.train()
