@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.rl import TrainConfig, lr_factor, normalised_advantages, regulariser, update_step
+from training.rl import (
+    TrainConfig,
+    lr_factor,
+    normalised_advantages,
+    regulariser,
+    sample_dials,
+    update_step,
+)
 from training.rollout import Forced
 from training.trainer import Trainer
 from verifier.head import HeadConfig, WeightHead, load_head
@@ -26,6 +33,8 @@ def _cfg(tiny_pair, tmp_path, **kw) -> TrainConfig:
         dev_dials=(0.25, 0.75),
         updates=3,
         batch=4,
+        group_size=2,
+        warm_start_steps=20,
         max_tokens=12,
         warmup=1,
         eval_every=100,
@@ -80,7 +89,7 @@ def test_update_step_raises_the_regularised_objective():
     torch.manual_seed(0)
     head = WeightHead(HeadConfig(4, 6))
     ref = WeightHead(HeadConfig(4, 6)).requires_grad_(False)
-    cfg = TrainConfig(ppo_epochs=2, lr=5e-2)
+    cfg = TrainConfig(ppo_epochs=2, lr=5e-2, group_size=2)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr)
     forced, dial = _fake_batch(), torch.tensor([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
     scores = torch.zeros(6)  # no task signal: only the acceptance and budget terms move w
@@ -101,6 +110,10 @@ def test_advantages_and_schedule():
     adv = normalised_advantages(torch.tensor([1.0, 2.0, 3.0]))
     assert abs(float(adv.mean())) < 1e-6 and abs(float(adv.std()) - 1) < 1e-4
     assert torch.equal(normalised_advantages(torch.ones(4)), torch.zeros(4))
+    grouped = normalised_advantages(torch.tensor([1.0, 3.0, 10.0, 12.0]), group_size=2)
+    assert torch.allclose(grouped, torch.tensor([-1.0, 1.0, -1.0, 1.0]) * grouped[1])  # baseline per group
+    dials = sample_dials(TrainConfig(group_size=4, dials=(0.0, 0.5, 1.0)), step=3, n=12)
+    assert dials.view(3, 4).unique(dim=1).shape[1] == 1  # one dial per group
     cfg = TrainConfig(updates=10, warmup=2)
     assert lr_factor(cfg, 0) == pytest.approx(0.5) and lr_factor(cfg, 1) == pytest.approx(1.0)
     assert lr_factor(cfg, 9) < lr_factor(cfg, 3) and lr_factor(cfg, 100) == pytest.approx(0.1)
