@@ -24,13 +24,15 @@ def _train(args) -> int:
     from training.scorecard import score_pair
 
     if args.minutes is not None and args.minutes <= 1:
-        raise CLIError(f"--minutes must be > 1 (got {args.minutes}); the default budget is ~55 minutes")
+        raise CLIError(f"--minutes must be > 1 (got {args.minutes}); the default budget is 58 minutes")
     cfg = RecipeConfig()
-    if args.minutes is not None:  # split the budget like the default: ~1/6 draft, ~5/6 target
+    if (
+        args.minutes is not None
+    ):  # split like the default: 14/58 draft (a cap; it is step-bound), 44/58 target
         cfg = dataclasses.replace(
             cfg,
-            draft_train=dataclasses.replace(cfg.draft_train, minutes=args.minutes / 6),
-            target_train=dataclasses.replace(cfg.target_train, minutes=args.minutes * 5 / 6),
+            draft_train=dataclasses.replace(cfg.draft_train, minutes=args.minutes * 14 / 58),
+            target_train=dataclasses.replace(cfg.target_train, minutes=args.minutes * 44 / 58),
         )
     out = Path(args.out)
     run(out, cfg)
@@ -89,11 +91,16 @@ def register(subparsers) -> None:
     psub = pair.add_subparsers(dest="pair_command", metavar="ACTION", required=True)
     train = psub.add_parser("train", help="retrain tokenizer, draft and target; write card and checksums")
     train.add_argument("--out", default=str(EMBEDDED_PAIR_DIR), help="output dir (default: the shipped pair)")
-    train.add_argument("--minutes", type=float, default=None, help="wall-clock training budget (default ~53)")
+    train.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="wall-clock training budget in minutes (default 58: draft <= 14, target <= 44)",
+    )
     train.set_defaults(func=_train)
     score = psub.add_parser("score", help="re-measure test scores and acceptance; rewrite card")
     score.add_argument("--pair", default=str(EMBEDDED_PAIR_DIR))
-    score.add_argument("--n", type=int, default=100, help="test examples per task")
+    score.add_argument("--n", type=int, default=200, help="test examples per task")
     score.set_defaults(func=_score)
     ver = psub.add_parser("verify", help="check the pair's SHA256SUMS")
     ver.add_argument("--pair", default=str(EMBEDDED_PAIR_DIR))

@@ -37,7 +37,7 @@ def math_slice(model, tokenizer) -> list[int]:
     return [int(s) for s in score_task(model, tokenizer, examples, batch=SLICE_N).scores]
 
 
-def score_pair(pair_dir: Path, n: int = 100, accept_n: int = 24, log=print) -> dict:
+def score_pair(pair_dir: Path, n: int = 200, accept_n: int = 60, log=print) -> dict:
     pair_dir = Path(pair_dir)
     tokenizer = AutoTokenizer.from_pretrained(pair_dir / "target")
     models = {role: load_model(pair_dir / role) for role in ("target", "draft")}
