@@ -4,6 +4,7 @@
     scores[role][task]    mean test-split score (greedy, fp32) on the first `n` test examples
     slice                 per-example greedy math results on the first `SLICE_N` test problems,
                           which tests recompute exactly (see tests/test_embedded_pair.py)
+    cost_ms[role]         ms per KV-cached one-token forward at batch 1 (target/draft cost ratio)
     acceptance            lossless (w = 1) speculative acceptance at T = 1, N = 5, per task and
                           pooled, from `training.spec_reference` on the first `accept_n` test prompts
 """
@@ -35,6 +36,27 @@ def math_slice(model, tokenizer) -> list[int]:
     """Greedy correctness (0/1) on the first SLICE_N math test problems, one batch."""
     examples = load("math", "test", SLICE_N, seed=SEED)
     return [int(s) for s in score_task(model, tokenizer, examples, batch=SLICE_N).scores]
+
+
+@torch.no_grad()
+def decode_step_ms(model, prompt_len: int = 64, steps: int = 10, repeats: int = 7) -> float:
+    """Milliseconds per KV-cached one-token forward at batch 1 (what one draft step costs).
+
+    Best of `repeats` timed runs: on a shared CPU other processes only ever add time, so the
+    minimum is the least noisy estimate of the model's own cost.
+    """
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(10, model.config.vocab_size, (1, prompt_len), generator=gen)
+    y = x[:, -1:]
+    best = float("inf")
+    for _ in range(repeats):
+        cache = model(input_ids=x, use_cache=True).past_key_values
+        model(input_ids=y, past_key_values=cache, use_cache=True)  # warm-up
+        start = time.perf_counter()
+        for _ in range(steps):
+            model(input_ids=y, past_key_values=cache, use_cache=True)
+        best = min(best, (time.perf_counter() - start) / steps * 1e3)
+    return best
 
 
 def score_pair(pair_dir: Path, n: int = 200, accept_n: int = 60, log=print) -> dict:
@@ -69,6 +91,8 @@ def score_pair(pair_dir: Path, n: int = 200, accept_n: int = 60, log=print) -> d
             *(getattr(total, f) + getattr(stats, f) for f in ("proposed", "accepted", "rounds", "emitted"))
         )
         log(f"acceptance {task}: {stats.rate:.4f} ({time.time() - t0:.0f}s)")
+    # Wall-clock, so machine-dependent: the card reports it as "measured on the training box".
+    result["cost_ms"] = {role: round(decode_step_ms(m), 3) for role, m in models.items()}
     result["acceptance"] = {
         "per_task": per_task,
         "overall": total.as_dict(),
