@@ -45,10 +45,18 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+# What SHA256SUMS covers: the pair itself. Other artefacts that live beside it (e.g. a learned
+# head under `head/`, retrained on its own schedule) are deliberately outside the pair's checksum.
+PAIR_TOP_FILES = ("MODEL_CARD.md", "pair.json", "train.log")
+PAIR_DIRS = ("target", "draft")
+
+
 def write_checksums(path: Path) -> Path:
-    """(Re)write `SHA256SUMS` over every file under `path` (sorted, relative, POSIX separators)."""
+    """(Re)write `SHA256SUMS` over the pair's files (sorted, relative, POSIX separators)."""
     root = Path(path)
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != CHECKSUM_FILE)
+    files = [root / n for n in PAIR_TOP_FILES if (root / n).is_file()]
+    files += [p for d in PAIR_DIRS for p in (root / d).rglob("*") if p.is_file()]
+    files.sort()
     lines = [f"{sha256_file(p)}  {p.relative_to(root).as_posix()}" for p in files]
     out = root / CHECKSUM_FILE
     out.write_text("\n".join(lines) + "\n")
