@@ -79,11 +79,21 @@ def verdicts(results: dict) -> dict:
             "points": points,
             "beats_time": any(p["margin_time"] > 0 for p in points),
             "beats_acceptance": any(p["margin_acceptance"] > 0 for p in points),
-            "beats_clearly": any(
-                min(p["margin_time"], p["margin_acceptance"]) > 2 * max(p["score_se"], 1e-9) for p in points
-            ),
+            "clear_time": any(p["margin_time"] > 2 * p["score_se"] for p in points),
+            "clear_acceptance": any(p["margin_acceptance"] > 2 * p["score_se"] for p in points),
         }
+        out[task]["beats_clearly"] = out[task]["clear_time"] and out[task]["clear_acceptance"]
     return out
+
+
+def _axis_word(v: dict, axis: str) -> str:
+    """One axis' verdict in words: beats by > 2 SE, above within noise, or not above."""
+    where = "at equal normalised time" if axis == "time" else "at equal acceptance"
+    if v[f"clear_{axis}"]:
+        return f"{where} the learned head BEATS the static frontier (> 2 SE)"
+    if v[f"beats_{axis}"]:
+        return f"{where} the learned head is above the frontier but within 2 SE (not significant)"
+    return f"{where} the learned head does not beat the frontier"
 
 
 def _pct(x) -> str:
@@ -137,16 +147,7 @@ def markdown(results: dict, verdict: dict) -> str:
                 f"  - {p['policy']}: score margin {p['margin_time']:+.3f} at equal normalised time, "
                 f"{p['margin_acceptance']:+.3f} at equal acceptance (score SE {p['score_se']:.3f})"
             )
-        if v["beats_clearly"]:
-            word = "beats the static frontier by more than 2 SE on both axes"
-        elif v["beats_time"] and v["beats_acceptance"]:
-            word = "is above the static frontier on both axes, but within 2 SE (not significant)"
-        elif v["beats_time"] or v["beats_acceptance"]:
-            axis = "time" if v["beats_time"] else "acceptance"
-            word = f"is above the static frontier only on the {axis} axis, within noise"
-        else:
-            word = "does not beat the static frontier"
-        lines.append(f"  - verdict: the learned head {word}.")
+        lines.append(f"  - verdict: {_axis_word(v, 'time')}; {_axis_word(v, 'acceptance')}.")
     return "\n".join(lines) + "\n"
 
 
