@@ -27,7 +27,8 @@ def test_eval_writes_every_artefact(tiny_pair, tmp_path, run_cli, capsys):
     assert run_cli(argv) == 0
     for name in ("results.json", "table.md", "acceptance_vs_w.png", "acceptance_vs_w.svg"):
         assert (out / name).stat().st_size > 0, name
-    assert (out / "score_vs_time.png").stat().st_size > 0 and (out / "score_vs_time.svg").stat().st_size > 0
+    for stem in ("score_vs_time", "score_vs_acceptance"):
+        assert (out / f"{stem}.png").stat().st_size > 0 and (out / f"{stem}.svg").stat().st_size > 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["tasks"]) == {"math", "summary", "code"}
     families = {r["family"] for r in results["tasks"]["math"]["policies"]}
