@@ -117,3 +117,12 @@ def test_advantages_and_schedule():
     cfg = TrainConfig(updates=10, warmup=2)
     assert lr_factor(cfg, 0) == pytest.approx(0.5) and lr_factor(cfg, 1) == pytest.approx(1.0)
     assert lr_factor(cfg, 9) < lr_factor(cfg, 3) and lr_factor(cfg, 100) == pytest.approx(0.1)
+
+
+def test_budget_anchors():
+    forced, dial = _fake_batch(b=2), torch.tensor([0.3, 0.8])
+    w = dial.view(-1, 1).expand_as(forced.tv)  # the static ensemble at w = d spends exactly its budget
+    for budget in ("acceptance", "weight"):
+        cfg = TrainConfig(budget=budget, lambda_min=0.0, lambda_max=0.0)
+        assert torch.allclose(regulariser(w, forced, dial, cfg), torch.zeros(2), atol=1e-6)
+        assert bool((regulariser(w * 0.5, forced, dial, cfg) < 0).all())

@@ -15,6 +15,8 @@ Terms
                 the dial (beyond the paper): at dial d the head spends the acceptance budget of
                 static w = d, and the task reward decides *where* to spend it — so its points are
                 directly comparable with the static frontier. μ = 0 gives the plain paper reward.
+                `budget="weight"` anchors `mean_t w_t` to d instead: its gradient is the same at
+                every position, so it leaves the choice of *where* to put w to the task reward.
     objective   `J = E[score] + E[λ(d)·acc − μ·gap²]` — the "regularised objective". Its gradient
                 has a score-function part (REINFORCE on r, with PPO-style clipping) and, because
                 acc and gap are explicit functions of w, a pathwise part added directly.
@@ -72,6 +74,7 @@ class TrainConfig:
     lambda_min: float = 0.05
     lambda_max: float = 0.5
     budget_coef: float = 20.0  # μ; 0 = the paper's reward without the dial anchor
+    budget: str = "acceptance"  # anchor mean_t w_t·TV_t ("acceptance") or mean_t w_t ("weight") to d
     warm_start_steps: int = 200  # pathwise-only fit of the regulariser before RL (0 = off)
     warm_start_lr: float = 5e-2
     dial_conditioned: bool = True
@@ -93,8 +96,11 @@ def regulariser(w: torch.Tensor, forced: Forced, dial: torch.Tensor, cfg: TrainC
     """Per-rollout `λ(d)·acc − μ·gap²` `[B]` for head weights `w` `[B, T]` (differentiable in w)."""
     acc = expected_acceptance(w, forced)  # [B]
     count = forced.mask.sum(1).clamp_min(1)  # [B]
-    spent = (w * forced.tv * forced.mask).sum(1) / count  # [B] mean_t w_t·TV_t
-    gap = spent - dial * (forced.tv * forced.mask).sum(1) / count  # [B]
+    if cfg.budget == "weight":  # allocation-neutral anchor: mean_t w_t = d
+        gap = (w * forced.mask).sum(1) / count - dial  # [B]
+    else:  # acceptance anchor: mean_t w_t·TV_t = d·mean_t TV_t
+        spent = (w * forced.tv * forced.mask).sum(1) / count  # [B] mean_t w_t·TV_t
+        gap = spent - dial * (forced.tv * forced.mask).sum(1) / count  # [B]
     return acceptance_weight(cfg, dial) * acc - cfg.budget_coef * gap.square()
 
 
