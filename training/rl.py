@@ -44,7 +44,7 @@ from verifier.head import WeightHead
 class TrainConfig:
     """Settings (paper: N=5, lr 5e-4 AdamW, warmup + cosine, clip 5, batch 8, ~100 updates).
 
-    Scaled for 2 CPU cores and a few-million-parameter pair: 80 updates of 32 rollouts (8 prompts
+    Scaled for 2 CPU cores and a few-million-parameter pair: 100 updates of 32 rollouts (8 prompts
     x 4 samples), lr 2e-2 (the head's inputs are standardised, see verifier.head), 64 new tokens.
     """
 
@@ -58,7 +58,7 @@ class TrainConfig:
     dev_prompts: int = 6  # per task (dev split), per evaluation
     dev_dials: tuple[float, ...] = (0.25, 0.75)
     dials: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-    updates: int = 80
+    updates: int = 100
     batch: int = 32  # rollouts per update
     group_size: int = 4  # rollouts per prompt (and dial) within a batch; divides batch
     ppo_epochs: int = 2  # optimiser steps per rollout batch
@@ -71,10 +71,10 @@ class TrainConfig:
     grad_clip: float = 5.0
     clip_eps: float = 0.2
     kl_coef: float = 0.01
-    lambda_min: float = 0.05
-    lambda_max: float = 0.5
+    lambda_min: float = 0.02
+    lambda_max: float = 0.2
     budget_coef: float = 20.0  # μ; 0 = the paper's reward without the dial anchor
-    budget: str = "acceptance"  # anchor mean_t w_t·TV_t ("acceptance") or mean_t w_t ("weight") to d
+    budget: str = "weight"  # anchor mean_t w_t ("weight") or mean_t w_t·TV_t ("acceptance") to d
     warm_start_steps: int = 200  # pathwise-only fit of the regulariser before RL (0 = off)
     warm_start_lr: float = 5e-2
     dial_conditioned: bool = True
