@@ -49,4 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the importable module, not this `__main__` copy: subcommands raise
+    # `server.cli.CLIError`, which must be the class `main` catches.
+    from server.cli import main as _main
+
+    sys.exit(_main())
