@@ -57,6 +57,11 @@ def register(subparsers) -> None:
         default=os.environ.get("DIALSPEC_TOKENIZER"),
         help="sglang backend: the pair's tokenizer (dir or HF id; env DIALSPEC_TOKENIZER)",
     )
+    p.add_argument(
+        "--head",
+        default=os.environ.get("DIALSPEC_HEAD"),
+        help="learned weight head dir for quality 'auto' (default: the embedded pair's head/; 'none' = off)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -100,11 +105,15 @@ def _check_model_dir(path: Path, flag: str) -> Path:
     return path
 
 
-def _pair_paths(args) -> tuple[Path, Path, str | None]:
+def _pair_paths(args) -> tuple[Path, Path, str | None, Path | None]:
+    """(target, draft, served name, head dir) — the head defaults to the embedded pair's own."""
     if (args.target is None) != (args.draft is None):
         raise CLIError("pass both --target and --draft, or neither (to serve the embedded pair)")
+    head = None if args.head in (None, "none") else Path(args.head)
+    if head is not None and not head.is_dir():
+        raise CLIError(f"no weight head at {head}; train one with `dialspec train` or drop --head")
     if args.target is not None:
-        return _check_model_dir(args.target, "--target"), _check_model_dir(args.draft, "--draft"), None
+        return _check_model_dir(args.target, "--target"), _check_model_dir(args.draft, "--draft"), None, head
     try:
         from training.embedded_pair import verify_pair
     except ImportError:
@@ -116,7 +125,10 @@ def _pair_paths(args) -> tuple[Path, Path, str | None]:
         pair = verify_pair()
     except Exception as exc:  # missing or corrupt files: the pair module's message says what to do
         raise CLIError(f"embedded pair not usable: {exc} (or pass --target and --draft)") from None
-    return Path(pair.target), Path(pair.draft), pair.name
+    shipped_head = Path(pair.target).parent / "head"
+    if args.head is None and shipped_head.is_dir():
+        head = shipped_head
+    return Path(pair.target), Path(pair.draft), pair.name, head
 
 
 def _settings(args):
@@ -136,9 +148,13 @@ def _settings(args):
         ) from None
 
 
-def _embedded_engine(args, target: Path, draft: Path, name: str | None):
+def _embedded_engine(args, target: Path, draft: Path, name: str | None, head: Path | None):
     from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig  # torch: only now
 
+    if head is not None:  # loaded here, not at engine start, so a mismatch fails before serving
+        from verifier.head import load_head
+
+        head = load_head(head, target_path=target, draft_path=draft)
     return EmbeddedEngine(
         EmbeddedEngineConfig(
             target_path=target,
@@ -148,6 +164,7 @@ def _embedded_engine(args, target: Path, draft: Path, name: str | None):
             max_context=args.max_context,
             device=args.device,
             served_name=args.served_name or name,
+            head=head,
         )
     )
 
