@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded import EmbeddedEngine
 from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
 from training import tasks
-from training.rollout import BatchRun, generate_batch, teacher_force
+from training.rollout import BatchRun, generate_batch, rollout_engine, teacher_force
 
 
 @dataclass
@@ -115,17 +115,7 @@ def _summarise(spec: PolicySpec, examples, run: BatchRun, ar_tpt: float | None) 
 
 def run_eval(cfg: EvalConfig, head=None, progress=None) -> dict:
     """Run every (task, policy); returns the JSON-ready results (see `eval_report` for the artefacts)."""
-    engine = EmbeddedEngine(
-        EmbeddedEngineConfig(
-            cfg.target_path,
-            cfg.draft_path,
-            num_draft=cfg.num_draft,
-            max_batch=cfg.max_batch,
-            max_context=1024,
-            served_name=cfg.pair_name,
-            head=head,
-        )
-    )
+    engine = rollout_engine(cfg, head)
     specs = policy_specs(cfg, head is not None)
     engine.start_sync()
     results: dict = {"config": asdict(cfg), "tasks": {}}

@@ -24,10 +24,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.engine.embedded import EmbeddedEngine
+from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from server.engine.llama import Transformer
 from server.engine.protocol import GenerationRequest, SpecStats
 from verifier import logits_to_probs, tv_distance
+
+
+def rollout_engine(cfg, head=None) -> EmbeddedEngine:
+    """The embedded engine training and evaluation roll out with (`cfg`: TrainConfig or EvalConfig)."""
+    return EmbeddedEngine(
+        EmbeddedEngineConfig(
+            cfg.target_path,
+            cfg.draft_path,
+            num_draft=cfg.num_draft,
+            max_batch=cfg.max_batch,
+            max_context=1024,
+            served_name=cfg.pair_name,
+            head=head,
+        )
+    )
 
 
 @dataclass

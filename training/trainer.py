@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
 from training import tasks
 from training.rl import (
@@ -33,7 +32,7 @@ from training.rl import (
     sample_dials,
     update_step,
 )
-from training.rollout import expected_acceptance, generate_batch, teacher_force
+from training.rollout import expected_acceptance, generate_batch, rollout_engine, teacher_force
 from verifier.head import WeightHead, head_for_pair, save_head
 
 
@@ -66,17 +65,7 @@ class Trainer:
         self.history: list[dict] = []
         self.dev_history: list[dict] = []
         self.calibrated = False
-        self.engine = EmbeddedEngine(
-            EmbeddedEngineConfig(
-                cfg.target_path,
-                cfg.draft_path,
-                num_draft=cfg.num_draft,
-                max_batch=cfg.max_batch,
-                max_context=1024,
-                served_name=cfg.pair_name,
-                head=self._engine_head,
-            )
-        )
+        self.engine = rollout_engine(cfg, self._engine_head)
         self.train_set = [e for t in cfg.tasks for e in tasks.load(t, "train", cfg.train_prompts, cfg.seed)]
         self.dev_set = [e for t in cfg.tasks for e in tasks.load(t, "dev", cfg.dev_prompts, cfg.seed)]
         self._prompts: dict[str, list[int]] = {}

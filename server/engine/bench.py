@@ -1,10 +1,13 @@
 """`dialspec bench engine`: side-by-side throughput of HF baselines and the embedded engine.
 
-Methods (every row measured in the same run, same prompts, same max_tokens, EOS ignored):
+Workload: the same list of requests at every concurrency c — `NUM_PROMPTS` task-suite prompts x
+`waves`, seeded per request — served by c closed-loop clients, so rows differ only in c and method.
+
+Methods (every row measured in the same run, same requests, same max_tokens, EOS ignored):
     hf_generate           HF `generate` on the target alone (batched with left padding).
     hf_assisted           HF assisted generation (`assistant_model`, constant N, HF defaults otherwise:
                           its assistant_confidence_threshold may end a draft early). HF supports
-                          batch size 1 only, so at concurrency c the c requests run one after another.
+                          batch size 1 only, so it is measured once, sequentially, at c = 1.
     hf_assisted_w0.5      the same with `assistant_ensemble_weight=0.5` (installed transformers has it).
     dialspec_ar           the embedded engine, target-only (autoregressive rows).
     dialspec_sd           the embedded engine, speculative with w = 1 (lossless).
@@ -23,16 +26,22 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-PROMPTS = [
-    "Tom has 12 apples and buys 7 more. How many apples does he have?",
-    "Write a Python function that adds two numbers.",
-    "Summarize: the council approved a budget of 45 million on Monday.",
-    "Explain why the sky is blue in two sentences.",
-    "List three prime numbers greater than 10.",
-    "Translate 'good morning' into French and German.",
-    "What is 15 times 4? Show your work.",
-    "Describe a quick brown fox in one sentence.",
-]
+NUM_PROMPTS = 8  # the workload: these prompts x `waves`, identical at every concurrency
+
+
+def bench_prompts(n: int = NUM_PROMPTS) -> list[str]:
+    """Test-split prompts of the embedded task suite, tasks interleaved (math, summary, code, ...).
+
+    In-distribution for the embedded pair, so acceptance reflects the pair rather than prompts it
+    was never trained on; any pair accepts them as plain chat messages.
+    """
+    from training import tasks
+
+    per_task = {t: tasks.load(t, "test", n) for t in sorted(tasks.TASKS)}
+    mixed = [ex.prompt for group in zip(*per_task.values(), strict=True) for ex in group]
+    return mixed[:n]
+
+
 ENSEMBLE_WEIGHTS = (0.75, 0.5, 0.25)
 
 
@@ -83,9 +92,9 @@ def _hf_run(
 
 
 # -- embedded engine ------------------------------------------------------------------------------
-def _engine_run(engine, prompt_ids, max_tokens, temperature, mode, weight, waves=1):
-    """Closed loop: `len(prompt_ids)` clients each send `waves` requests back to back, so the
-    batch stays full until the last wave (the straggler tail is amortised over the waves)."""
+def _engine_run(engine, prompt_ids, max_tokens, temperature, mode, weight, clients, waves=1):
+    """Closed loop: `clients` clients work through the same `len(prompt_ids) * waves` requests
+    (request i: prompt i mod P, seed i), each sending its next request when one finishes."""
     from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
 
     done = threading.Semaphore(0)
@@ -108,10 +117,9 @@ def _engine_run(engine, prompt_ids, max_tokens, temperature, mode, weight, waves
     sched = engine.scheduler
     sched.timers.reset()
     t0 = time.perf_counter()
-    sent = 0
-    for sent in range(len(prompt_ids)):
-        engine.submit(request(sent), sink)
-    sent += 1
+    sent = min(clients, total)
+    for i in range(sent):
+        engine.submit(request(i), sink)
     for _ in range(total):
         done.acquire()
         if sent < total:
@@ -169,7 +177,7 @@ def run_bench(
         tok.pad_token = tok.eos_token
     chats = [
         tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-        for p in PROMPTS
+        for p in bench_prompts()
     ]
     prompt_ids = [tok(c, add_special_tokens=False)["input_ids"] for c in chats]
     longest = max(len(p) for p in prompt_ids)
@@ -187,7 +195,8 @@ def run_bench(
     plan = [("dialspec_ar", "autoregressive", 1.0), ("dialspec_sd", "speculative", 1.0)]
     plan += [(f"dialspec_w{w}", "speculative", w) for w in ENSEMBLE_WEIGHTS]
     hf_plan = ["hf_generate", "hf_assisted", "hf_assisted_w0.5"] if include_hf else []
-    total = trials * len(concurrency) * (len(plan) + len(hf_plan))
+    hf_runs = sum(1 for c in concurrency for m in hf_plan if m == "hf_generate" or c == 1)
+    total = trials * (len(concurrency) * len(plan) + hf_runs)
     task = progress.add_task("bench engine", total=total) if progress else None
     best: dict[tuple[str, int], tuple] = {}  # (method, c) -> fastest trial's measurements
 
@@ -207,24 +216,29 @@ def run_bench(
         _hf_run(*hf_models, tok, chats[:1], 4, temperature, num_draft)  # warm-up
 
     def run_hf(method: str, c: int) -> tuple[int, float]:
+        """The same request list as the engine: batches of c for `generate`, one by one for assisted."""
         target, draft = hf_models
-        texts = [chats[i % len(chats)] for i in range(c)]
+        texts = [chats[i % len(chats)] for i in range(len(chats) * waves)]
         d = None if method == "hf_generate" else draft
         w = 0.5 if method.endswith("w0.5") else None
-        runs = [_hf_run(target, d, tok, texts, max_tokens, temperature, num_draft, w) for _ in range(waves)]
+        batches = [texts[i : i + c] for i in range(0, len(texts), c)]
+        runs = [_hf_run(target, d, tok, b, max_tokens, temperature, num_draft, w) for b in batches]
         return sum(r[0] for r in runs), sum(r[1] for r in runs)
 
     try:
-        _engine_run(engine, prompt_ids[:2], 4, temperature, "speculative", 1.0)  # warm-up
+        _engine_run(engine, prompt_ids[:2], 4, temperature, "speculative", 1.0, clients=2)  # warm-up
         # Trials interleave every method (engine and HF, whose models idle side by side) so that
         # host noise hits all of them alike; the fastest trial of each row is kept.
         for _ in range(trials):
             for c in concurrency:
-                ids = [prompt_ids[i % len(prompt_ids)] for i in range(c)]
                 for method, mode, w in plan:
-                    keep((method, c), _engine_run(engine, ids, max_tokens, temperature, mode, w, waves))
+                    keep(
+                        (method, c),
+                        _engine_run(engine, prompt_ids, max_tokens, temperature, mode, w, c, waves),
+                    )
                 for method in hf_plan:
-                    keep((method, c), run_hf(method, c))
+                    if method == "hf_generate" or c == 1:
+                        keep((method, c), run_hf(method, c))
     finally:
         engine.scheduler.stop()
     rows: list[BenchRow] = []
@@ -236,16 +250,17 @@ def run_bench(
             rows.append(row)
     for c in concurrency:
         for method in hf_plan:
-            tokens, secs = best[(method, c)]
-            note = "sequential (HF assisted is batch-1 only)" if method != "hf_generate" and c > 1 else ""
-            rows.append(BenchRow(method, c, tokens, secs, tokens / secs, note=note))
+            if (method, c) in best:
+                tokens, secs = best[(method, c)]
+                note = "" if method == "hf_generate" else "batch 1 only (sequential)"
+                rows.append(BenchRow(method, c, tokens, secs, tokens / secs, note=note))
     meta = {
         "target": str(target_path), "draft": str(draft_path), "max_tokens": max_tokens,
         "num_draft": num_draft, "temperature": temperature, "concurrency": list(concurrency),
         "torch_threads": torch.get_num_threads(), "device": engine.config.device,
         "dtype": str(engine.config.dtype), "waves": waves, "trials": trials,
-        "protocol": "closed loop: each of c clients sends `waves` requests back to back; best of "
-        "`trials` interleaved runs per row; EOS ignored",
+        "protocol": "closed loop: c clients work through the same NUM_PROMPTS x waves seeded requests "
+        "at every c; best of `trials` interleaved runs per row; EOS ignored",
     }  # fmt: skip
     return {"meta": meta, "rows": [asdict(r) for r in rows], "targets": check_targets(rows)}
 
@@ -327,7 +342,7 @@ def register(subparsers) -> None:
     p.add_argument("--num-draft", type=int, default=5)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--no-hf", action="store_true", help="skip the HF baselines")
-    p.add_argument("--waves", type=int, default=4, help="requests per client, back to back")
+    p.add_argument("--waves", type=int, default=4, help="passes over the prompt list (the workload size)")
     p.add_argument("--trials", type=int, default=2, help="interleaved repeats; the fastest is kept")
     p.add_argument("--quick", action="store_true", help="smoke run: 8 tokens, 1 wave, 1 trial")
     p.add_argument("--out", default="bench-results", help="output directory")
