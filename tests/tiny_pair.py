@@ -10,14 +10,10 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"]
+from training.tokenizer import train_tokenizer
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. Numbers 0 1 2 3 4 5 6 7 8 9.",
     "Tom has 12 apples and buys 7 more. How many apples? 12 + 7 = 19. #### 19",
@@ -27,22 +23,11 @@ _CORPUS = [
 
 
 def make_tokenizer(out_dir: Path, vocab_size: int = 320) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out_dir)
-    return fast
+    """The embedded pair's tokenizer recipe (digits split, same specials and chat template), trained
+    on a tiny corpus."""
+    tok = train_tokenizer(_CORPUS * 4, vocab_size=vocab_size)
+    tok.save_pretrained(out_dir)
+    return tok
 
 
 def _save_model(out_dir: Path, tokenizer, seed: int, hidden: int, layers: int, heads: int, kv_heads: int):
