@@ -98,6 +98,9 @@ class EmbeddedEngine:
             has_head=config.head is not None,
             backend="embedded",
         )
+        # A head directory is loaded and checked against the pair here, so a mismatch fails when
+        # the engine is built (before any server listens); load_models only moves it to the device.
+        self.head = self._resolve_head()
         self.scheduler: Scheduler | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -123,11 +126,11 @@ class EmbeddedEngine:
             target_cache=target.new_cache(c.max_batch, max_seq),
             draft_cache=draft.new_cache(c.max_batch, max_seq),
             device=device,
-            head=self._load_head(device),
+            head=self.head.to(device).eval() if isinstance(self.head, torch.nn.Module) else self.head,
             num_threads=threads,
         )
 
-    def _load_head(self, device: torch.device) -> WeightHead | None:
+    def _resolve_head(self) -> WeightHead | None:
         """The configured head; a directory is loaded with `verifier.head.load_head`, which refuses
         a head trained for a different pair (ValueError naming both)."""
         head, c = self.config.head, self.config
@@ -135,8 +138,6 @@ class EmbeddedEngine:
             from verifier.head import load_head
 
             head = load_head(head, target_path=c.target_path, draft_path=c.draft_path)
-        if isinstance(head, torch.nn.Module):
-            head = head.to(device).eval()
         return head
 
     def start_sync(self) -> None:

@@ -151,10 +151,6 @@ def _settings(args):
 def _embedded_engine(args, target: Path, draft: Path, name: str | None, head: Path | None):
     from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig  # torch: only now
 
-    if head is not None:  # loaded here, not at engine start, so a mismatch fails before serving
-        from verifier.head import load_head
-
-        head = load_head(head, target_path=target, draft_path=draft)
     return EmbeddedEngine(
         EmbeddedEngineConfig(
             target_path=target,
@@ -164,7 +160,7 @@ def _embedded_engine(args, target: Path, draft: Path, name: str | None, head: Pa
             max_context=args.max_context,
             device=args.device,
             served_name=args.served_name or name,
-            head=head,
+            head=head,  # loaded and checked against the pair when the engine is built
         )
     )
 
