@@ -1,6 +1,14 @@
+import os
+
 import pytest
 
-from tests.tiny_pair import make_tiny_pair
+# Triton decides at import whether its JIT functions are compiled or interpreted, for triton's own
+# library functions too; without a GPU, SGLang's kernels can only run interpreted
+# (tests/test_sglang_chain_kernel.py), so the CPU run sets it before anything imports triton.
+if os.environ.get("DIALSPEC_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.tiny_pair import make_tiny_pair  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from server.cli import main
 from server.engine.bench import ENSEMBLE_WEIGHTS
 
@@ -39,3 +41,13 @@ def test_bench_engine_user_mistakes_are_cli_errors(tmp_path, capsys):
     assert main(["bench", "engine", "--target", str(tmp_path)]) == 2
     assert main(["bench", "engine", "--target", str(tmp_path), "--draft", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_bench_engine_device_mistakes_are_cli_errors(tiny_pair, capsys):
+    target, draft = tiny_pair
+    base = ["bench", "engine", "--quick", "--target", str(target), "--draft", str(draft)]
+    assert main([*base, "--device", "gpu0"]) == 2
+    assert "not a torch device" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main([*base, "--device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err

@@ -2,7 +2,8 @@
 
 Each case draws >= 200k seeded trials in one batched call (the batch dimension *is* the trials)
 and applies a chi-square test at level ALPHA; `test_power` shows the same test rejects p when ν
-is the truth, so these checks can fail.
+is the truth, so these checks can fail. Verification runs on `tests.device.DEVICE` (CUDA under
+`scripts/gpu_smoke.sh`); the laws and drafts are built on the CPU.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.device import DEVICE, generator_like
 from tests.stats import ALPHA, Z_BOUND, binomial_z, chi_square_pvalue
 from verifier import expected_acceptance, verify
 
@@ -48,10 +50,11 @@ def run_first_token(p, q, w, trials, seed, n=1):
     """Verify `trials` independent chains with stationary p, q; returns (VerifyResult, drafts)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = p.numel()
-    target = p.float().expand(trials, n + 1, vocab)  # [T, N+1, V]
-    draft = q.float().expand(trials, n, vocab)  # [T, N, V]
+    target = p.float().to(DEVICE).expand(trials, n + 1, vocab)  # [T, N+1, V]
+    draft = q.float().to(DEVICE).expand(trials, n, vocab)  # [T, N, V]
     drafts = torch.multinomial(q.float(), trials * n, replacement=True, generator=gen).view(trials, n)
-    return verify(target, draft, drafts, w, generator=gen), drafts
+    drafts = drafts.to(DEVICE)
+    return verify(target, draft, drafts, w, generator=generator_like(gen)), drafts
 
 
 CASES = [
@@ -121,18 +124,18 @@ def test_joint_law_of_two_tokens_is_nu_times_nu(w):
     (p1, q1), (p2, q2) = make_case("overlapping", vocab, gen), make_case("overlapping", vocab, gen)
     p3 = _normalise(torch.rand(vocab, generator=gen, dtype=torch.float64))
     trials = TRIALS
-    target = torch.stack([p1, p2, p3]).float().expand(trials, 3, vocab)  # [T, 3, V]
-    draft = torch.stack([q1, q2]).float().expand(trials, 2, vocab)  # [T, 2, V]
+    target = torch.stack([p1, p2, p3]).float().to(DEVICE).expand(trials, 3, vocab)  # [T, 3, V]
+    draft = torch.stack([q1, q2]).float().to(DEVICE).expand(trials, 2, vocab)  # [T, 2, V]
     x = torch.stack(
         [torch.multinomial(q.float(), trials, replacement=True, generator=gen) for q in (q1, q2)], dim=1
-    )  # [T, 2]
-    first = verify(target, draft, x, w, generator=gen)
+    ).to(DEVICE)  # [T, 2]
+    first = verify(target, draft, x, w, generator=generator_like(gen))
     second_round = verify(
-        torch.stack([p2, p3]).float().expand(trials, 2, vocab),
-        q2.float().expand(trials, 1, vocab),
-        torch.multinomial(q2.float(), trials, replacement=True, generator=gen).view(trials, 1),
+        torch.stack([p2, p3]).float().to(DEVICE).expand(trials, 2, vocab),
+        q2.float().to(DEVICE).expand(trials, 1, vocab),
+        torch.multinomial(q2.float(), trials, replacement=True, generator=gen).view(trials, 1).to(DEVICE),
         w,
-        generator=gen,
+        generator=generator_like(gen),
     )
     y2 = torch.where(first.num_emitted >= 2, first.tokens[:, 1], second_round.tokens[:, 0])
     joint = first.tokens[:, 0] * vocab + y2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.device import DEVICE, generator_like
 from tests.stats import ALPHA, Z_BOUND, binomial_z, chi_square_pvalue
 from verifier import (
     Policy,
@@ -64,12 +65,12 @@ def test_baseline_policy_emits_its_implied_law(policy):
 
     x = torch.multinomial(q, TRIALS, replacement=True, generator=gen).view(TRIALS, 1)
     r = verify(
-        p.float().expand(TRIALS, 2, v),
-        q.float().expand(TRIALS, 1, v),
-        x,
+        p.float().to(DEVICE).expand(TRIALS, 2, v),
+        q.float().to(DEVICE).expand(TRIALS, 1, v),
+        x.to(DEVICE),
         1.0,
-        policy=PolicyBatch.from_policies([policy] * TRIALS),
-        generator=gen,
+        policy=PolicyBatch.from_policies([policy] * TRIALS, device=DEVICE),
+        generator=generator_like(gen),
     )
     assert chi_square_pvalue(r.tokens[:, 0], law) > ALPHA
     rate = float((q * accept).sum())

@@ -79,15 +79,17 @@ def _hf_run(
     with torch.inference_mode():
         if draft is None:  # batched target-only
             enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-            target.generate(**enc, **common)
+            target.generate(**enc.to(target.device), **common)
         else:  # assisted generation is batch-1 only: run sequentially
             for p in prompts:
-                enc = tok([p], return_tensors="pt", add_special_tokens=False)
+                enc = tok([p], return_tensors="pt", add_special_tokens=False).to(target.device)
                 extra = {"assistant_ensemble_weight": weight} if weight is not None else {}
                 target.generate(
                     **enc, assistant_model=draft, num_assistant_tokens=num_draft,
                     num_assistant_tokens_schedule="constant", **extra, **common,
                 )  # fmt: skip
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
     return max_tokens * len(prompts), time.perf_counter() - t0
 
 
@@ -164,7 +166,7 @@ def _spec_row(method, c, tokens, seconds, stats, timers, n, ar: BenchRow | None)
 
 def run_bench(
     target_path, draft_path, concurrency=(1, 4, 8), max_tokens=64, num_draft=5, temperature=1.0,
-    include_hf=True, progress=None, waves=4, trials=2,
+    include_hf=True, progress=None, waves=4, trials=2, device="cpu", dtype=None,
 ) -> dict:  # fmt: skip
     """Run every method at every concurrency; returns the JSON-ready report."""
     import torch
@@ -184,7 +186,7 @@ def run_bench(
     engine = EmbeddedEngine(
         EmbeddedEngineConfig(
             target_path, draft_path, num_draft=num_draft, max_batch=max(concurrency),
-            max_context=longest + max_tokens + 8,
+            max_context=longest + max_tokens + 8, device=device, dtype=dtype,
         )
     )  # fmt: skip
     engine.start_sync()
@@ -208,10 +210,10 @@ def run_bench(
 
     hf_models = None
     if hf_plan:
-        dtype = engine.config.dtype
-        hf_models = (
-            AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).eval(),
-            AutoModelForCausalLM.from_pretrained(str(draft_path), dtype=dtype).eval(),
+        dtype = engine.config.dtype  # the engine's resolved dtype: both sides compute alike
+        hf_models = tuple(
+            AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+            for path in (target_path, draft_path)
         )
         _hf_run(*hf_models, tok, chats[:1], 4, temperature, num_draft)  # warm-up
 
@@ -348,6 +350,11 @@ def register(subparsers) -> None:
     p.add_argument("--waves", type=int, default=4, help="passes over the prompt list (the workload size)")
     p.add_argument("--trials", type=int, default=2, help="interleaved repeats; the fastest is kept")
     p.add_argument("--quick", action="store_true", help="smoke run: 8 tokens, 1 wave, 1 trial")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+        help="model dtype for the engine and HF baselines (default: float32 on CPU, bfloat16 on CUDA)",
+    )  # fmt: skip
     p.add_argument("--out", default="bench-results", help="output directory")
     p.set_defaults(func=_main)
 
@@ -378,11 +385,19 @@ def _main(args) -> int:
             raise CLIError(f"{path} is not an HF model directory (no config.json)")
     if args.waves < 1 or args.trials < 1:
         raise CLIError("--waves and --trials must be >= 1")
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        raise CLIError(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:0)") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError("--device cuda but torch sees no CUDA device; use --device cpu")
     max_tokens, waves, trials = (8, 1, 1) if args.quick else (args.max_tokens, args.waves, args.trials)
     with Progress() as progress:
         report = run_bench(
             target, draft, conc, max_tokens, args.num_draft, args.temperature, not args.no_hf, progress,
-            waves, trials,
+            waves, trials, str(device), args.dtype,
         )  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -97,7 +97,8 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 def rope_table(inv_freq: torch.Tensor, length: int) -> torch.Tensor:
     """`freqs_cis` `[length, D/2]` complex64: e^{i·pos·inv_freq} for every position."""
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq.float())  # [L, D/2]
+    positions = torch.arange(length, dtype=torch.float32, device=inv_freq.device)  # [L]
+    angles = torch.outer(positions, inv_freq.float())  # [L, D/2]
     return torch.polar(torch.ones_like(angles), angles)
 
 
