@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from server.runtime_cli import build_command  # noqa: E402
 from server.sglang_plugin.params import ENV_ENABLE, custom_params_for  # noqa: E402
+from verifier.dial import Verification  # noqa: E402
 
 PROMPTS = [
     "Q: Tom has 12 apples and buys 7 more. How many apples does he have? A:",
@@ -98,7 +99,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 def generate(port: int, prompt: str, temperature: float, w: float | None, max_tokens: int, seed: int) -> dict:
     sp = {"temperature": temperature, "max_new_tokens": max_tokens, "sampling_seed": seed}
     if w is not None:
-        sp["custom_params"] = custom_params_for(w)
+        sp["custom_params"] = custom_params_for(Verification(weight=w))
     resp = httpx.post(
         f"http://127.0.0.1:{port}/generate", json={"text": prompt, "sampling_params": sp}, timeout=600
     )

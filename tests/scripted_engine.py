@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from server.engine.protocol import EngineError, EngineInfo, GenerationChunk, GenerationRequest, SpecStats
+from verifier.dial import PolicyKind
 
 WORDS = ["alpha", "beta", "gamma", "delta", "dial", "draft", "target", "token", "verify", "ensemble"]
 
@@ -98,7 +99,7 @@ class ScriptedEngine:
         script = self.script(request)
         rng = random.Random(hash((request.request_id, s.seed)) if s.seed is None else s.seed + 1)
         n = 0 if v.mode == "autoregressive" else (v.num_draft or self.info.num_draft)
-        w = v.weight if v.policy == "ensemble" else 1.0
+        w = v.weight if v.policy == PolicyKind.ENSEMBLE else 1.0
         beta = 1.0 - w * self.tv
         stats = SpecStats(accepted_per_position=[0] * n)
         out = b""
@@ -119,9 +120,10 @@ class ScriptedEngine:
                     stats.drafts += 1
                     stats.draft_tokens += n
                     stats.accepted_tokens += accepted
-                    verified = min(accepted + 1, n)
-                    stats.weight_sum += w * verified
-                    stats.weight_count += verified
+                    # Like the embedded engine: every proposed position counts its w, whether or not
+                    # the chain got that far (row.py, record_round).
+                    stats.weight_sum += w * n
+                    stats.weight_count += n
                     take = accepted + 1
                 else:
                     take = 1

@@ -16,6 +16,7 @@ from server.engine.protocol import (
     SamplingOptions,
     VerifyOptions,
 )
+from verifier.dial import PolicyKind
 
 
 def _head(h_draft, h_target, dial):
@@ -58,9 +59,9 @@ def test_mixed_weights_in_one_batch_equal_running_alone(engine):
         dict(weight=1.0, temperature=1.0),
         dict(weight=0.5, temperature=0.8, top_p=0.9),
         dict(weight=0.0, temperature=1.2, top_k=20),
-        dict(weight=0.7, temperature=1.0, learned=True),
+        dict(weight=0.7, dial=0.7, temperature=1.0),
         dict(mode="autoregressive", temperature=1.0),
-        dict(policy="lossy", lenience=0.3, temperature=1.0, num_draft=2),
+        dict(policy=PolicyKind.LOSSY, lenience=0.3, temperature=1.0, num_draft=2),
     ]
 
     async def main():
@@ -86,7 +87,7 @@ def test_learned_without_head_is_rejected(tiny_pair):
 
         async def main():
             with pytest.raises(EngineError) as err:
-                await _collect(eng, _req(eng, "hi", learned=True))
+                await _collect(eng, _req(eng, "hi", dial=0.5))
             return err.value
 
         assert asyncio.run(main()).kind == "invalid_request"
@@ -103,7 +104,7 @@ def test_saved_weight_head_loads_and_sets_w(tiny_pair, tmp_path):
     eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_context=64, head=tmp_path / "head"))
     eng.start_sync()
     try:
-        req = _req(eng, "hi", learned=True, weight=0.9, max_tokens=12, ignore_eos=True)
+        req = _req(eng, "hi", dial=0.9, weight=0.9, max_tokens=12, ignore_eos=True)
         stats = asyncio.run(_collect(eng, req))[2][-1].stats
     finally:
         asyncio.run(eng.stop())

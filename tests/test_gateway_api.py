@@ -15,6 +15,7 @@ import pytest
 from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings
 from tests.scripted_engine import ScriptedEngine, live_server
+from verifier.dial import PolicyKind
 
 MODEL = "scripted-pair"
 MSG = [{"role": "user", "content": "hello"}]
@@ -94,7 +95,9 @@ def test_verifier_and_autoregressive_baselines(client, served):
         model=MODEL, prompt="x", max_tokens=5, extra_body={"verifier": "lossy", "quality": "standard"}
     )
     v = engine.requests[-1].verify
-    assert v.policy == "lossy" and v.lenience == 0.5 and r.model_extra["dialspec"]["policy"] == "lossy"
+    assert (
+        v.policy == PolicyKind.LOSSY and v.lenience == 0.5 and r.model_extra["dialspec"]["policy"] == "lossy"
+    )
     r = client.completions.create(
         model=MODEL, prompt="x", max_tokens=5, extra_body={"mode": "autoregressive"}
     )

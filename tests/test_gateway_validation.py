@@ -8,10 +8,7 @@ import json
 import httpx
 import pytest
 
-from server.engine.protocol import EngineInfo
-from server.gateway import dial
 from server.gateway.app import create_app
-from server.gateway.errors import APIError
 from server.gateway.settings import GatewaySettings, load_settings
 from tests.scripted_engine import ScriptedEngine, live_server
 
@@ -137,66 +134,6 @@ def test_server_healthy_after_bad_inputs(server):
 
 # ---- the dial as a unit -----------------------------------------------------------------------
 
-INFO = EngineInfo(model="m", max_context=64, max_batch=2, num_draft=4, has_head=False, backend="x")
-INFO_HEAD = EngineInfo(model="m", max_context=64, max_batch=2, num_draft=4, has_head=True, backend="x")
-
-
-def resolve(quality=None, **kw):
-    args = {
-        "model_tier": None,
-        "verifier": None,
-        "mode": None,
-        "num_draft": None,
-        "settings": GatewaySettings(),
-    }
-    args.update(kw)
-    return dial.resolve(quality, info=kw.pop("info", INFO), **{k: v for k, v in args.items() if k != "info"})
-
-
-def test_dial_linear_default_and_tiers():
-    for q in (0.0, 0.3, 1.0):
-        d = resolve(q)
-        assert d.verify.weight == pytest.approx(q) and d.tier == "custom" and d.verify.policy == "ensemble"
-    assert resolve("lite").verify.weight == 0.25 and resolve("exact").verify.weight == 1.0
-    assert resolve().tier == "exact" and resolve().verify.weight == 1.0  # lossless by default
-    assert resolve(model_tier="pro").verify.weight == 0.75
-    assert resolve(0.1, model_tier="pro").verify.weight == pytest.approx(0.1)  # body beats model name
-
-
-def test_dial_configurable_mapping_and_baselines():
-    s = GatewaySettings(dial_gamma=2.0, tiers={"fast": 0.5})
-    assert resolve("fast", settings=s).verify.weight == pytest.approx(0.25)
-    assert resolve(0.3, verifier="lossy").verify.lenience == pytest.approx(0.3)
-    assert resolve(0.0, verifier="lossy").verify.lenience == pytest.approx(0.05)  # lenience must stay > 0
-    assert resolve(0.25, verifier="cascade").verify.alpha == pytest.approx(0.75)
-    assert resolve(0.5, verifier="typical").verify.policy == "typical"
-    ar = resolve(0.5, mode="autoregressive")
-    assert ar.verify.mode == "autoregressive" and ar.tier == "autoregressive"
-    assert resolve(0.5, num_draft=3).verify.num_draft == 3
-
-
-def test_dial_auto_needs_head():
-    with pytest.raises(APIError) as e:
-        resolve("auto")
-    assert e.value.status == 400 and e.value.param == "quality"
-    d = dial.resolve("auto", model_tier=None, verifier=None, mode=None, num_draft=None,
-                     settings=GatewaySettings(), info=INFO_HEAD)  # fmt: skip
-    assert d.verify.learned and d.tier == "auto"
-
-
-def test_model_names_roundtrip():
-    s = GatewaySettings()
-    for name in dial.model_names("m", s):
-        tier = dial.split_model_name(name, "m", s)
-        assert tier is None or tier in s.tiers
-    with pytest.raises(LookupError):
-        dial.split_model_name("m:nope", "m", s)
-    with pytest.raises(LookupError):
-        dial.split_model_name("m:auto", "m", s)  # no head, no auto
-    assert dial.model_names("m", s, has_head=True)[-1] == "m:auto"
-    assert dial.split_model_name("m:auto", "m", s, has_head=True) == "auto"
-
-
 # ---- settings sources --------------------------------------------------------------------------
 
 
@@ -213,9 +150,11 @@ def test_settings_env_file_and_precedence(tmp_path, monkeypatch):
     assert s.api_keys == ["a", "b"]
     assert load_settings(cfg, max_waiting=9).max_waiting == 9  # CLI beats env
     toml = tmp_path / "gw.toml"
-    toml.write_text("max_n = 2\n[tiers]\nfast = 0.3\n")
+    toml.write_text('max_n = 2\ndefault_quality = "fast"\n[tiers]\nfast = 0.3\n')
     assert load_settings(toml).tiers == {"fast": 0.3}
     with pytest.raises(FileNotFoundError):
         load_settings(tmp_path / "missing.toml")
     with pytest.raises(ValueError):
         GatewaySettings(tiers={"bad": 2.0})
+    with pytest.raises(ValueError, match="not a tier"):  # a default no request could resolve
+        GatewaySettings(tiers={"fast": 0.3})

@@ -92,7 +92,6 @@ def test_streaming_generation_deltas_stats_and_request_body(fake, tiny_pair):
     assert sp["custom_params"] == {
         "dialspec_w": 0.4,
         "dialspec_mode": "speculative",
-        "dialspec_learned": False,
     }
     assert sp["top_k"] == -1 and sp["max_new_tokens"] == 64 and sp["sampling_seed"] == 11
     assert sp["stop"] == ["\n\n"] and sp["temperature"] == 0.7
@@ -255,6 +254,6 @@ def test_tokenization_uses_the_pair_tokenizer_and_chat_template(tiny_pair):
 
 
 def test_helpers():
-    req = _request(weight=0.25, learned=True)
-    assert sampling_params_for(req)["custom_params"]["dialspec_learned"] is True
+    req = _request(weight=0.25, dial=0.25)
+    assert sampling_params_for(req)["custom_params"]["dialspec_dial"] == 0.25
     assert stats_from_meta({}, 0.5).acceptance_rate is None

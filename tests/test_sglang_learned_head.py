@@ -121,9 +121,7 @@ def test_row_weights_mix_learned_and_static_rows():
     def req(cp):
         return SimpleNamespace(sampling_params=SimpleNamespace(custom_params=cp))
 
-    batch = SimpleNamespace(
-        reqs=[req({"dialspec_w": 0.4}), req({"dialspec_w": 0.6, "dialspec_learned": True})]
-    )
+    batch = SimpleNamespace(reqs=[req({"dialspec_w": 0.4}), req({"dialspec_w": 0.6, "dialspec_dial": 0.6})])
     head = SimpleNamespace(weights=lambda dial, n: torch.full((2, n), 0.05))
     settings = PluginSettings(enabled=True, default_w=1.0)
     w = row_weights(batch, settings, torch.device("cpu"), num_draft=3, head=head)

@@ -27,6 +27,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from verifier.dial import Verification
+
 try:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -316,12 +318,13 @@ def test_row_params_from_real_sampling_params():
         _req(temperature=0.7),  # no dial: server default
         _req(temperature=1.0, custom_params={"dialspec_w": 0.5, "dialspec_mode": "autoregressive"}),
         _req(temperature=1.0, custom_params={"dialspec_w": "bogus"}),
-        _req(temperature=1.0, custom_params={"dialspec_w": 0.9, "dialspec_learned": True}),
-        _req(temperature=1.0, custom_params=params.custom_params_for(0.125)),
+        _req(temperature=1.0, custom_params={"dialspec_w": 0.9, "dialspec_dial": 0.7}),
+        _req(temperature=1.0, custom_params=params.custom_params_for(Verification(weight=0.125))),
     ]
     got = params.batch_row_params(reqs, default_w=0.8)
     assert [r.weight for r in got] == [0.25, 0.8, 1.0, 0.8, 0.9, 0.125]
     assert [r.learned for r in got] == [False, False, False, False, True, False]
+    assert got[4].dial == 0.7  # the head's input travels apart from the static w
 
 
 def test_greedy_request_is_top_k_one_after_sglang_normalisation():

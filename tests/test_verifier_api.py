@@ -175,3 +175,21 @@ def test_properties(b, n, v, seed, greedy, kind, w):
         assert 0 <= int(r.tokens[i, k]) < v
         assert bool((r.tokens[i, k + 1 :] == PAD_TOKEN).all())
     assert bool(((r.accept_probs >= 0) & (r.accept_probs <= 1)).all())
+
+
+def test_zero_drafts_is_plain_sampling_from_p():
+    """N = 0 (autoregressive rows): the token is p's inverse-CDF draw with the row's first coin,
+    or argmax p for greedy rows — the same answer the general path gives."""
+    from verifier.sampling import sample_inverse_cdf
+
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(64, 1, 10, generator=g), -1)  # [B, 1, V]
+    u = torch.rand(64, 1, generator=g)
+    empty_q, empty_x = torch.zeros(64, 0, 10), torch.zeros(64, 0, dtype=torch.long)
+    res = verify(p, empty_q, empty_x, 1.0, uniforms=u)
+    assert torch.equal(res.tokens[:, 0], sample_inverse_cdf(p[:, 0], u[:, 0]))
+    assert res.tokens.shape == (64, 1) and int(res.num_accepted.sum()) == 0
+    mask = torch.arange(64) % 2 == 0
+    mixed = verify(p, empty_q, empty_x, 1.0, greedy=mask, uniforms=u)
+    assert torch.equal(mixed.tokens[mask, 0], p[mask, 0].argmax(-1))
+    assert torch.equal(mixed.tokens[~mask, 0], res.tokens[~mask, 0])

@@ -25,6 +25,7 @@ from server.engine.embedded import EmbeddedEngine
 from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
 from training import tasks
 from training.rollout import BatchRun, generate_batch, rollout_engine, teacher_force
+from verifier.dial import PolicyKind
 
 
 @dataclass
@@ -63,12 +64,12 @@ def policy_specs(cfg: EvalConfig, with_head: bool) -> list[PolicySpec]:
         PolicySpec(
             f"SD lossy l={cfg.lenience:g}",
             "sd_lossy",
-            VerifyOptions(policy="lossy", lenience=cfg.lenience, num_draft=n),
+            VerifyOptions(policy=PolicyKind.LOSSY, lenience=cfg.lenience, num_draft=n),
         ),
         PolicySpec(
             f"SpecCascade a={cfg.alpha:g}",
             "cascade",
-            VerifyOptions(policy="cascade", alpha=cfg.alpha, num_draft=n),
+            VerifyOptions(policy=PolicyKind.CASCADE, alpha=cfg.alpha, num_draft=n),
         ),
     ]
     specs += [
@@ -76,7 +77,7 @@ def policy_specs(cfg: EvalConfig, with_head: bool) -> list[PolicySpec]:
     ]
     if with_head:
         specs += [
-            PolicySpec(f"learned d={d:g}", "learned", VerifyOptions(weight=d, learned=True, num_draft=n), d)
+            PolicySpec(f"learned d={d:g}", "learned", VerifyOptions(weight=d, dial=d, num_draft=n), d)
             for d in cfg.dials
         ]
     return specs

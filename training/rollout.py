@@ -27,7 +27,7 @@ import torch
 from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from server.engine.llama import Transformer
 from server.engine.protocol import GenerationRequest, SpecStats
-from verifier import logits_to_probs, tv_distance
+from verifier import ensemble_mix, logits_to_probs, tv_distance
 
 
 def rollout_engine(cfg, head=None) -> EmbeddedEngine:
@@ -180,7 +180,7 @@ def _force_chunk(target, draft, rollouts: list[Rollout], temperature: float) -> 
 
 def nu_log_prob(w: torch.Tensor, forced: Forced) -> torch.Tensor:
     """`log ν_t(y_t)` `[B, T]` (0 at padding) for head weights `w` `[B, T]`."""
-    nu = w * forced.p_tok + (1.0 - w) * forced.q_tok
+    nu = ensemble_mix(forced.p_tok, forced.q_tok, w)  # [B, T]
     return torch.where(forced.mask, nu.clamp_min(1e-30).log(), torch.zeros(()))
 
 

@@ -121,7 +121,7 @@ class Trainer:
                 f"train-{i}",
                 tuple(self.prompt_ids(ex)),
                 SamplingOptions(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=seed),
-                VerifyOptions(learned=True, weight=float(d), num_draft=cfg.num_draft),
+                VerifyOptions(dial=float(d), weight=float(d), num_draft=cfg.num_draft),
             )
             for i, (ex, d, seed) in enumerate(zip(examples, dials.tolist(), seeds, strict=True))
         ]

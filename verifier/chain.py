@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from verifier.policies import PolicyBatch, accept_probs, greedy_targets, kinds_present, residuals
-from verifier.sampling import sample_inverse_cdf
+from verifier.sampling import pick_tokens, sample_inverse_cdf
 
 PAD_TOKEN = -1
 # Below this residual mass p and q agree to float precision; sampling the residual would amplify
@@ -122,6 +122,8 @@ def verify(
     if policy is not None and policy.batch_size != draft_probs.shape[0]:
         raise ValueError(f"policy has {policy.batch_size} rows, batch has {draft_probs.shape[0]}")
     b, n, vocab = draft_probs.shape
+    if n == 0:  # autoregressive rows: nothing to accept, the token is drawn from p (or its argmax)
+        return _no_drafts(target_probs[:, 0], greedy, generator, uniforms)
     w, greedy_rows = _broadcast(weights, greedy, b, n, target_probs)
     if validate:
         _check_values(draft_tokens, w, vocab)
@@ -171,3 +173,18 @@ def verify(
     if any_greedy:
         accept_prob = torch.where(greedy_rows.unsqueeze(-1), accepted.to(accept_prob.dtype), accept_prob)
     return VerifyResult(num_accepted=num_accepted, tokens=tokens, accept_probs=accept_prob)
+
+
+def _no_drafts(p: torch.Tensor, greedy, generator, uniforms) -> VerifyResult:
+    """N = 0: one token per row from p `[B, V]` with the row's first coin — what the general path
+    computes when there is no draft, without its [B, N, V] machinery (it runs every AR step)."""
+    b = p.shape[0]
+    u = uniforms[:, 0] if uniforms is not None else torch.rand(b, generator=generator, device=p.device)
+    if not isinstance(greedy, bool):
+        greedy = torch.as_tensor(greedy, dtype=torch.bool, device=p.device).expand(b)
+    token = pick_tokens(p, greedy, u)  # [B]
+    return VerifyResult(
+        num_accepted=torch.zeros(b, dtype=torch.long, device=p.device),
+        tokens=token.unsqueeze(1),  # [B, 1]
+        accept_probs=p.new_zeros(b, 0),  # [B, 0]
+    )

@@ -6,7 +6,7 @@ Every policy answers the same three questions for each draft position, as tensor
                           (unnormalised is fine; rows with no mass fall back to p);
     greedy    `[B, N, V]`  distribution whose argmax is the verdict at temperature 0.
 
-Policies (DESIGN.md section 1; one `RULES` entry each):
+Policies (docs/algorithm.md; one `RULES` entry each; `PolicyKind` is owned by `verifier.dial`):
     ENSEMBLE  (DIVERSED) `ν = w·p + (1−w)·q`; accept `min(1, ν(x)/q(x)) = min(1, 1 − w + w·p/q)`;
               residual `max(0, ν − q) = w·max(0, p − q)`, i.e. the ordinary SD residual. w = 1 is
               lossless SD; a `[B, N]` weight tensor gives per-token weights from a learned head.
@@ -15,29 +15,23 @@ Policies (DESIGN.md section 1; one `RULES` entry each):
               `max q < max p − α·TV(p, q)`, else π = q; accept `min(1, π/q)`, residual `max(0, π−q)`.
     TYPICAL   Medusa typical acceptance: accept iff `p(x) > min(ε, δ·exp(−H(p)))`; residual p.
 
-A batch may mix policies row by row (`PolicyBatch.kind`); each kind present is evaluated over the
-whole batch and selected with `torch.where`: a few element-wise passes, no Python loop over rows.
+A batch may mix policies row by row (`PolicyBatch.kind`); each kind present (known on the host
+from construction, so no device sync) is evaluated over the whole batch and selected with
+`torch.where`: a few element-wise passes, no Python loop over rows.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from verifier.dial import PolicyKind
 from verifier.theory import tv_distance
 
 # Guards divisions by q(x); q(x) of a sampled draft token is > 0 unless the caller lied.
 _TINY = 1e-20
-
-
-class PolicyKind(enum.IntEnum):
-    ENSEMBLE = 0
-    LOSSY = 1
-    CASCADE = 2
-    TYPICAL = 3
 
 
 @dataclass(frozen=True)
@@ -64,13 +58,15 @@ class Policy:
 
 @dataclass(frozen=True)
 class PolicyBatch:
-    """Per-row policy parameters as tensors. All fields `[B]`."""
+    """Per-row policy parameters as tensors. All tensor fields `[B]`; `kinds` is the set of kinds
+    present, kept on the host so choosing rules never reads the device."""
 
     kind: torch.Tensor  # long
     lenience: torch.Tensor
     alpha: torch.Tensor
     epsilon: torch.Tensor
     delta: torch.Tensor
+    kinds: frozenset = frozenset(PolicyKind)
 
     @staticmethod
     def from_policies(policies: Sequence[Policy], device=None) -> PolicyBatch:
@@ -83,6 +79,7 @@ class PolicyBatch:
             alpha=col("alpha"),
             epsilon=col("epsilon"),
             delta=col("delta"),
+            kinds=frozenset(p.kind for p in policies),
         )
 
     @property
@@ -119,8 +116,15 @@ def ensemble_residual(p, q, w, params=None):
     return (p - q).clamp_min(0.0)
 
 
+def ensemble_mix(p: torch.Tensor, q: torch.Tensor, w) -> torch.Tensor:
+    """ν = w·p + (1−w)·q — the one place the ensemble is written. Mixes probabilities (not
+    logits); `w` (a float or a tensor) broadcasts against p and q, so callers mixing `[..., V]`
+    rows with per-row weights `[...]` pass `w.unsqueeze(-1)`."""
+    return w * p + (1.0 - w) * q
+
+
 def ensemble_greedy(p, q, w, params=None):
-    return w.unsqueeze(-1) * p + (1.0 - w.unsqueeze(-1)) * q  # ν [B, M, V]
+    return ensemble_mix(p, q, w.unsqueeze(-1))  # [B, M, V]: argmax ν is the greedy verdict
 
 
 def lossy_accept(p, q, x, w, params):
@@ -173,10 +177,8 @@ _ACCEPT, _RESIDUAL, _GREEDY = 0, 1, 2
 
 
 def kinds_present(policy: PolicyBatch | None) -> frozenset:
-    """Policy kinds among the rows (one host sync); ENSEMBLE only when `policy` is None."""
-    if policy is None:
-        return frozenset({PolicyKind.ENSEMBLE})
-    return frozenset(PolicyKind(k) for k in policy.kind.unique().tolist())
+    """Policy kinds among the rows; ENSEMBLE only when `policy` is None."""
+    return frozenset({PolicyKind.ENSEMBLE}) if policy is None else policy.kinds
 
 
 def _per_row(which: int, policy, kinds, *args):

@@ -65,7 +65,13 @@ def apply_top_p(logits: torch.Tensor, top_p) -> torch.Tensor:
 
 
 def logits_to_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, then softmax in float32. Shape is preserved."""
+    """Temperature, then top-k, then top-p, then softmax in float32. Shape is preserved.
+
+    Scalar parameters that leave the logits alone (temperature 1, no top-k, no top-p — every
+    greedy batch, and the default sampling one) go straight to the softmax: engines call this for
+    every draft step, where the skipped per-call checks would be a dozen tiny ops."""
+    if not isinstance(temperature, torch.Tensor) and temperature == 1.0 and top_k == 0 and top_p == 1.0:
+        return logits.float().softmax(dim=-1)
     x = apply_temperature(logits.float(), temperature)
     x = apply_top_k(x, top_k)
     x = apply_top_p(x, top_p)
@@ -83,3 +89,13 @@ def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     target = uniform.float().clamp(0.0, 1.0 - 1e-7) * cdf[:, -1]  # [B]
     idx = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)  # [B]
     return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def pick_tokens(probs: torch.Tensor, greedy, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` `[B, V]`: argmax where `greedy`, else `sample_inverse_cdf`
+    with the row's `uniform` `[B]`. `greedy` is a bool for the whole batch or a `[B]` mask."""
+    if greedy is True:
+        return probs.argmax(-1)
+    if greedy is False:
+        return sample_inverse_cdf(probs, uniform)
+    return torch.where(greedy, probs.argmax(-1), sample_inverse_cdf(probs, uniform))  # [B]

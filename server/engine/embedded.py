@@ -10,7 +10,7 @@ Terms
     max_context prompt + completion tokens a request may use; requests that cannot fit are
                 rejected before the first chunk (EngineError 'invalid_request').
     head        optional learned weight head, `head(h_draft [R,N,Hd], h_target [R,N,Ht], dial [R])
-                -> w [R,N]` in [0,1]; used by requests with `VerifyOptions.learned`.
+                -> w [R,N]` in [0,1]; used by requests with a `VerifyOptions.dial`.
 The model math runs on a scheduler thread (see `scheduler.py`); chunks cross to the caller's event
 loop through an `asyncio.Queue`.
 """
@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 from server.engine.protocol import EngineError, EngineInfo, GenerationChunk, GenerationRequest
-from server.engine.row import _POLICY_KINDS, Row
+from server.engine.row import Row
 from server.engine.scheduler import Scheduler
 from server.engine.step import Models, WeightHead
+from verifier.dial import DEFAULT_AUTO_DIAL, DialError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,6 +91,10 @@ class EmbeddedEngine:
             eos_ids.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos_ids)
         self.vocab_size = cfg["vocab_size"]
+        # A head directory is loaded and checked against the pair here, so a mismatch fails when
+        # the engine is built (before any server listens); load_models only moves it to the device.
+        self.head = self._resolve_head()
+        head_config = getattr(self.head, "config", None)
         self.info = EngineInfo(
             model=config.served_name,
             max_context=config.max_context,
@@ -97,10 +102,8 @@ class EmbeddedEngine:
             num_draft=config.num_draft,
             has_head=config.head is not None,
             backend="embedded",
+            auto_dial=getattr(head_config, "default_dial", DEFAULT_AUTO_DIAL),
         )
-        # A head directory is loaded and checked against the pair here, so a mismatch fails when
-        # the engine is built (before any server listens); load_models only moves it to the device.
-        self.head = self._resolve_head()
         self.scheduler: Scheduler | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -196,14 +199,13 @@ class EmbeddedEngine:
             )
         elif s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
             bad = "need temperature >= 0, 0 < top_p <= 1, top_k >= 0"
-        elif not 0.0 <= v.weight <= 1.0:
-            bad = f"weight must lie in [0, 1], got {v.weight}"
-        elif v.policy not in _POLICY_KINDS:
-            bad = f"unknown policy {v.policy!r}"
         elif v.learned and c.head is None:
             bad = "learned weights requested but this engine has no weight head loaded"
-        elif v.num_draft is not None and not 1 <= v.num_draft <= c.max_num_draft:
-            bad = f"num_draft must lie in [1, {c.max_num_draft}]"
+        else:
+            try:
+                v.validate(c.max_num_draft)
+            except DialError as exc:
+                bad = str(exc)
         if bad:
             raise EngineError(bad, "invalid_request")
         n = 0 if v.mode == "autoregressive" else (v.num_draft or c.num_draft)

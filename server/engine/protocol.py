@@ -1,8 +1,8 @@
 """The one small protocol every engine implements (embedded torch engine, SGLang client).
 
 The gateway speaks only this module's types: no torch, no tokenizer internals. The ensemble
-weight travels one path: HTTP body -> dial (quality -> `VerifyOptions`) -> `GenerationRequest`
--> the engine's per-row tensor -> `verifier.verify`.
+weight travels one path: HTTP body -> `verifier.dial.resolve` (quality -> `VerifyOptions`) ->
+`GenerationRequest` -> the engine's per-row tensor -> `verifier.verify` (docs/architecture.md).
 
 Cancellation: closing the async iterator returned by `Engine.generate` (e.g. `aclose()`, or the
 consuming task being cancelled) aborts the request and frees its batch row and cache at once.
@@ -14,8 +14,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-PolicyName = Literal["ensemble", "lossy", "cascade", "typical"]
-Mode = Literal["speculative", "autoregressive"]
+from verifier.dial import DEFAULT_AUTO_DIAL, Verification
+
+# How a request's drafts are verified: owned by the dial (policy, static w, learned dial, N).
+VerifyOptions = Verification
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -37,19 +39,6 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None  # same seed + same request -> same output, batched or alone
     ignore_eos: bool = False  # keep going past EOS (benchmarks); explicit stop_token_ids still stop
-
-
-@dataclass(frozen=True)
-class VerifyOptions:
-    """How drafts are verified for this request (see verifier.policies)."""
-
-    mode: Mode = "speculative"
-    policy: PolicyName = "ensemble"
-    weight: float = 1.0  # ensemble w on the target; 1 = lossless
-    learned: bool = False  # per-token w_t from the learned head (weight is then the dial input)
-    lenience: float = 0.5  # lossy
-    alpha: float = 0.5  # cascade
-    num_draft: int | None = None  # N; None = engine default
 
 
 @dataclass(frozen=True)
@@ -106,6 +95,7 @@ class EngineInfo:
     num_draft: int  # default N
     has_head: bool  # learned w_t available ("auto" quality)
     backend: str  # "embedded" or "sglang"
+    auto_dial: float = DEFAULT_AUTO_DIAL  # the loaded head's default dial point (quality "auto")
 
 
 @runtime_checkable

@@ -21,14 +21,7 @@ import torch
 
 from server.engine.detokenize import IncrementalDetokenizer, StopStringFilter
 from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats
-from verifier import Policy, PolicyKind
-
-_POLICY_KINDS = {
-    "ensemble": PolicyKind.ENSEMBLE,
-    "lossy": PolicyKind.LOSSY,
-    "cascade": PolicyKind.CASCADE,
-    "typical": PolicyKind.TYPICAL,
-}
+from verifier import Policy
 
 
 @dataclass(eq=False)
@@ -56,9 +49,10 @@ class Row:
         self.temperature = 1.0 if self.greedy else float(s.temperature)
         self.top_k = 0 if self.greedy else int(s.top_k)
         self.top_p = 1.0 if self.greedy else float(s.top_p)
-        self.weight = float(v.weight)
-        self.learned = bool(v.learned)
-        self.policy = Policy(kind=_POLICY_KINDS[v.policy], lenience=v.lenience, alpha=v.alpha)
+        self.weight = float(v.weight)  # static w
+        self.dial = v.dial  # the learned head's input, None for static rows
+        self.learned = v.learned
+        self.policy = Policy(kind=v.policy, lenience=v.lenience, alpha=v.alpha)
         self.stop_ids = frozenset(s.stop_token_ids) | (frozenset() if _ignore_eos(s) else self.eos_ids)
         seed = s.seed if s.seed is not None else random.SystemRandom().getrandbits(63)
         # Each row owns its random stream, so its draws do not depend on who shares the batch.

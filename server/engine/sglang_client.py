@@ -50,7 +50,7 @@ def sampling_params_for(request: GenerationRequest) -> dict[str, Any]:
         "top_p": s.top_p,
         "top_k": s.top_k if s.top_k > 0 else -1,
         "max_new_tokens": s.max_tokens,
-        "custom_params": custom_params_for(v.weight, v.mode, v.learned),
+        "custom_params": custom_params_for(v),
     }
     if s.stop:
         out["stop"] = list(s.stop)

@@ -1,28 +1,29 @@
-"""One batched decoding round for a group of rows sharing a draft length N.
+"""One batched decoding round for rows that share a draft length N, as five small stages:
 
-Round for R speculative rows (N >= 1):
-    1. Draft: N batched draft forwards. The first feeds each row's pending tokens (1 or 2,
-       right-padded to the longest; each row reads its logits at its own last real position);
-       forwards 2..N feed one token per row. Draft token i comes from `q_i` =
-       `logits_to_probs(draft logits)`: argmax for greedy rows, `sample_inverse_cdf` with the
-       row's own uniform otherwise.
-    2. Verify: ONE target forward over `[pending, x_1..x_N]` (N+1 positions per row) gives
-       `p` `[R, N+1, V]` through the same transform, then one `verifier.verify` call for the batch
-       with per-row weights (or head-predicted `[R, N]` weights), policies, greedy flags and
-       uniforms.
-    3. Advance: each row appends its own `k + 1` tokens; the target cache keeps `k` accepted
-       drafts, the draft cache keeps `min(k, N - 1)` of them. Rejected positions are rolled back
-       simply by the lengths (stale entries are masked and later overwritten).
-Autoregressive rows are the N = 0 case of the same round: no draft, a 1-position target forward,
-and the token is drawn from p with the row's first verify uniform, exactly what `verify` does with
-N = 0 (seeding and transforms are shared), without its per-call input checks.
+    batch  = RoundBatch.of(rows, n)          per-row tensors: slots, sampling params, greedy, coins
+    drafts = draft(models, batch)            N draft forwards: x [R, N], q [R, N, V], h_draft [R, N, Hd]
+    scores = score(models, batch, drafts)    ONE target forward over [pending, x_1..x_N]:
+                                             p [R, N+1, V], h_target [R, N+1, Ht]
+    w      = ensemble_weights(...)           static w per row, or the learned head's w_t [R, N]
+    result = check(batch, drafts, scores, w) one `verifier.verify` call for the whole group
+    advance(batch, result, w)                each row appends its k + 1 tokens; caches roll back
+                                             by length (stale entries are masked, then overwritten)
 
-Terms: h_draft `[R, N, Hd]` final-norm draft states at the positions that produced each draft
-token; h_target `[R, N, Ht]` target states at the positions scoring each draft token.
+Autoregressive rows are the N = 0 case of the same path: no draft forwards, a 1-position target
+forward, and `verify` with N = 0 draws the token from p with the row's first verify coin.
+The draft length is decided before a round (the scheduler groups rows by N): that is where
+cost-aware draft lengths plug in; a round only ever sees one N.
+
+Terms
+    pending   the tokens a cache has not consumed yet: 1 for the target (the last token), 1 or 2
+              for the draft (2 when every draft of the last round was accepted, see row.py).
+    h_draft   `[R, N, Hd]` final-norm draft states at the positions that produced each draft token.
+    h_target  `[R, N+1, Ht]` final-norm target states at the positions scoring each draft token.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,28 +33,47 @@ import torch
 from server.engine.kv_cache import KVCache
 from server.engine.llama import Transformer
 from server.engine.row import Row
-from verifier import PolicyBatch, PolicyKind, logits_to_probs, sample_inverse_cdf, verify
+from verifier import PolicyBatch, PolicyKind, VerifyResult, logits_to_probs, pick_tokens, verify
 
 WeightHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# phase name -> the counter it bumps (besides `<phase>_s`)
+_COUNTERS = {
+    "draft": "draft_forwards",
+    "verify_forward": "verify_forwards",
+    "target_forward": "target_forwards",
+    "round": "rounds",
+}
 
 
 @dataclass
 class StepTimers:
-    """Wall-clock seconds spent per phase (summed over rounds) — the benchmark's cost model inputs."""
+    """Wall-clock seconds per phase (summed over rounds) — the benchmark's cost-model inputs."""
 
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # N draft forwards with their sampling
     draft_forwards: int = 0
-    verify_forward_s: float = 0.0  # target forwards over N+1 positions (N >= 1)
+    verify_forward_s: float = 0.0  # target forwards over N+1 positions (N >= 1), with p
     verify_forwards: int = 0
-    target_forward_s: float = 0.0  # target forwards over 1 position (autoregressive rows)
+    target_forward_s: float = 0.0  # target forwards over 1 position (autoregressive rows), with p
     target_forwards: int = 0
-    verify_call_s: float = 0.0  # verification: building w/policies, verifier.verify, reading results
+    verify_call_s: float = 0.0  # weights (head), verifier.verify, reading the results back
     round_s: float = 0.0
     rounds: int = 0
     per_n: dict = field(default_factory=dict)
 
     def reset(self) -> None:
         self.__init__()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, device: torch.device, count: int = 1):
+        """Time a phase; on CUDA the device is synchronised first so kernels count where they run."""
+        t0 = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        setattr(self, f"{name}_s", getattr(self, f"{name}_s") + time.perf_counter() - t0)
+        if name in _COUNTERS:
+            setattr(self, _COUNTERS[name], getattr(self, _COUNTERS[name]) + count)
 
 
 @dataclass
@@ -67,41 +87,165 @@ class Models:
     num_threads: int | None = None  # intra-op threads for the thread running the model math
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _col(rows: list[Row], name: str, device, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor([getattr(r, name) for r in rows], dtype=dtype, device=device)  # [R]
-
-
-def _probs(logits: torch.Tensor, temp, top_k, top_p) -> torch.Tensor:
-    """`verifier.logits_to_probs`, short-circuited when the whole group uses the identity transform
-    (temperature 1, no top-k/top-p — also every greedy group): then it is exactly a float32
-    softmax, and skipping its per-call checks saves a dozen tiny ops per draft step."""
-    if isinstance(temp, float) and temp == 1.0 and top_k == 0 and top_p == 1.0:
-        return logits.float().softmax(dim=-1)
-    return logits_to_probs(logits, temp, top_k, top_p)
-
-
-def _pick(probs: torch.Tensor, greedy: torch.Tensor, all_greedy: bool | None, u: torch.Tensor):
-    """argmax for greedy rows, inverse-CDF sample with the row's uniform `u` `[R]` otherwise."""
-    if all_greedy is True:
-        return probs.argmax(-1)
-    if all_greedy is False:
-        return sample_inverse_cdf(probs, u)
-    return torch.where(greedy, probs.argmax(-1), sample_inverse_cdf(probs, u))
-
-
 def _param(rows: list[Row], name: str, device, dtype=torch.float32):
-    """A sampling parameter for `logits_to_probs`: a Python scalar when every row agrees (the
-    transform then skips per-row broadcasting, and top-k/top-p skip their sorts when off), else
-    a `[R]` tensor."""
+    """A per-row parameter: a Python scalar when every row agrees (the sampling transform then
+    skips per-row broadcasting, and top-k/top-p skip their sorts when off), else a `[R]` tensor."""
     values = [getattr(r, name) for r in rows]
     if all(v == values[0] for v in values):
         return values[0]
     return torch.tensor(values, dtype=dtype, device=device)  # [R]
+
+
+@dataclass
+class RoundBatch:
+    """The per-row inputs of one round, built once."""
+
+    rows: list[Row]
+    n: int  # draft length, 0 = autoregressive
+    device: torch.device
+    slots: torch.Tensor  # [R] cache slots
+    contiguous: bool  # slots == arange(R): cache reads are views
+    greedy: bool | torch.Tensor  # True/False when the group agrees, else a [R] mask
+    temperature: float | torch.Tensor  # scalar or [R]
+    top_k: int | torch.Tensor
+    top_p: float | torch.Tensor
+    u_draft: torch.Tensor  # [R, N] the rows' coins for sampling drafts
+    u_verify: torch.Tensor  # [R, N+1] their coins for the acceptance tests and the final draw
+
+    @classmethod
+    def of(cls, rows: list[Row], n: int, device: torch.device) -> RoundBatch:
+        greedy = _param(rows, "greedy", device, torch.bool)
+        # Each row draws from its own stream, so its tokens do not depend on who shares the batch.
+        coins = torch.stack([row.uniforms(2 * n + 1) for row in rows]).to(device)  # [R, 2N+1]
+        return cls(
+            rows=rows, n=n, device=device,
+            slots=torch.tensor([row.slot for row in rows], device=device),
+            contiguous=[row.slot for row in rows] == list(range(len(rows))),
+            greedy=greedy,
+            temperature=_param(rows, "temperature", device),
+            top_k=_param(rows, "top_k", device, torch.long),
+            top_p=_param(rows, "top_p", device),
+            u_draft=coins[:, :n], u_verify=coins[:, n:],
+        )  # fmt: skip
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The rows' sampling transform; p and q go through the same one (verification needs it)."""
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+
+    def column(self, values: list, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)  # [R]
+
+
+@dataclass
+class Drafts:
+    tokens: torch.Tensor  # [R, N] x_i ~ q_i
+    probs: torch.Tensor  # [R, N, V] q
+    hidden: torch.Tensor | None  # [R, N, Hd] states that produced each draft (N >= 1)
+
+
+@dataclass
+class Scores:
+    probs: torch.Tensor  # [R, N+1, V] p
+    hidden: torch.Tensor  # [R, N+1, Ht]
+
+
+def draft(models: Models, b: RoundBatch) -> Drafts:
+    """N batched draft forwards. The first feeds each row's pending tokens (1 or 2, right-padded
+    to the longest; each row reads its state at its own last real position); the rest feed one."""
+    r, n = b.size, b.n
+    vocab = models.draft.args.vocab_size
+    if n == 0:
+        empty = torch.zeros(r, 0, dtype=torch.long, device=b.device)  # [R, 0]
+        return Drafts(empty, torch.zeros(r, 0, vocab, device=b.device), None)
+    pending = [row.seq[row.dlen :] for row in b.rows]
+    width = max(len(p) for p in pending)
+    tokens = b.column([p + [p[-1]] * (width - len(p)) for p in pending])  # [R, T0]
+    starts = b.column([row.dlen for row in b.rows])  # [R]
+    hidden = models.draft(tokens, b.slots, starts, models.draft_cache, b.contiguous)  # [R, T0, Hd]
+    h = hidden[torch.arange(r, device=b.device), b.column([len(p) - 1 for p in pending])]  # [R, Hd]
+    base = b.column([len(row.seq) for row in b.rows])  # [R] position of draft token 1
+    xs, qs, hs = [], [], []
+    for i in range(n):
+        q = b.probs(models.draft.logits(h))  # [R, V]
+        x = pick_tokens(q, b.greedy, b.u_draft[:, i])  # [R]
+        xs.append(x)
+        qs.append(q)
+        hs.append(h)
+        if i < n - 1:  # the last proposal is never fed: its state would be rolled back or unused
+            h = models.draft(x.view(-1, 1), b.slots, base + i, models.draft_cache, b.contiguous)[:, 0]
+    return Drafts(torch.stack(xs, 1), torch.stack(qs, 1), torch.stack(hs, 1))
+
+
+def score(models: Models, b: RoundBatch, d: Drafts) -> Scores:
+    """One target forward over `[pending, x_1..x_N]` (N+1 positions per row) and its p."""
+    last = b.column([[row.seq[-1]] for row in b.rows])  # [R, 1]
+    starts = b.column([row.tlen for row in b.rows])  # [R]
+    inputs = torch.cat([last, d.tokens], dim=1)  # [R, N+1]
+    hidden = models.target(inputs, b.slots, starts, models.target_cache, b.contiguous)  # [R, N+1, Ht]
+    return Scores(b.probs(models.target.logits(hidden)), hidden)
+
+
+def ensemble_weights(models: Models, b: RoundBatch, d: Drafts, s: Scores):
+    """(w for `verify`, w per row and position as lists for the row stats).
+
+    Static rows pass their w as a float when the group agrees (verify broadcasts it), else `[R]`;
+    learned rows get the head's `[R, N]` w_t from their states and dial."""
+    r, n = b.size, b.n
+    learned = [i for i, row in enumerate(b.rows) if row.learned]
+    if not learned or n == 0:
+        return _param(b.rows, "weight", b.device), [[row.weight] * n for row in b.rows]
+    weights = b.column([row.weight for row in b.rows], torch.float32).view(-1, 1).expand(r, n).clone()
+    idx = b.column(learned)
+    dial = b.column([b.rows[i].dial for i in learned], torch.float32)  # [R']
+    w_head = models.head(d.hidden[idx].float(), s.hidden[idx, :n].float(), dial)  # [R', N]
+    weights[idx] = w_head.to(weights.dtype).clamp(0.0, 1.0)
+    return weights, weights.tolist()  # [R, N]
+
+
+def check(b: RoundBatch, d: Drafts, s: Scores, weights) -> VerifyResult:
+    """`verifier.verify` for the whole group (baseline policies only when some row asks)."""
+    policy = None
+    if any(row.policy.kind != PolicyKind.ENSEMBLE for row in b.rows) and b.n:
+        policy = PolicyBatch.from_policies([row.policy for row in b.rows], device=b.device)
+    # Ranges were checked at admission (weights) or hold by construction (drafts ~ q, head output
+    # clamped): skip verify's host-synced value checks on this hot path.
+    return verify(
+        s.probs, d.probs, d.tokens, weights, policy=policy, greedy=b.greedy, uniforms=b.u_verify,
+        validate=False,
+    )  # fmt: skip
+
+
+def advance(b: RoundBatch, num_accepted: list[int], tokens: list[list[int]], weights: list) -> None:
+    """Each row appends its own k + 1 tokens. The target cache keeps pending + k accepted drafts;
+    the draft cache keeps min(k, N − 1) of them (it never consumed its last proposal)."""
+    for row, k, toks, w in zip(b.rows, num_accepted, tokens, weights, strict=True):
+        old_len = len(row.seq)
+        row.record_round(k, w)
+        row.tlen = old_len + k
+        if b.n:
+            row.dlen = old_len + min(k, b.n - 1)
+        row.emit_tokens(toks[: k + 1])
+
+
+@torch.inference_mode()
+def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> None:
+    """One round for `rows` (all with num_draft == n); emits each row's accepted tokens."""
+    dev = models.device
+    with timers.phase("round", dev):
+        batch = RoundBatch.of(rows, n, dev)
+        with timers.phase("draft", dev, count=n):
+            drafts = draft(models, batch)
+        with timers.phase("verify_forward" if n else "target_forward", dev):
+            scores = score(models, batch, drafts)
+        with timers.phase("verify_call", dev):
+            weights, per_position = ensemble_weights(models, batch, drafts, scores)
+            result = check(batch, drafts, scores, weights)
+            num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
+        advance(batch, num_accepted, tokens, per_position)
 
 
 _PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward (bounds the [R, P, P] mask)
@@ -131,111 +275,3 @@ def prefill(models: Models, rows: list[Row]) -> None:
         if spec:
             idx = torch.tensor(spec, device=dev)
             models.draft(tokens[idx], slots[idx], starts[idx], models.draft_cache)
-
-
-@torch.inference_mode()
-def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> None:
-    """One round for `rows` (all with num_draft == n); emits each row's accepted tokens."""
-    dev = models.device
-    r = len(rows)
-    t0 = time.perf_counter()
-    slots = torch.tensor([row.slot for row in rows], device=dev)  # [R]
-    greedy = _col(rows, "greedy", dev, torch.bool)  # [R]
-    flags = {row.greedy for row in rows}
-    all_greedy = flags.pop() if len(flags) == 1 else None  # True / False when uniform
-    temp = _param(rows, "temperature", dev)
-    top_k, top_p = _param(rows, "top_k", dev, torch.long), _param(rows, "top_p", dev)
-    contiguous = [row.slot for row in rows] == list(range(r))
-    coins = torch.stack([row.uniforms(2 * n + 1) for row in rows]).to(dev)  # [R, 2N+1]
-    u_draft, u_verify = coins[:, :n], coins[:, n:]  # [R, N], [R, N+1]
-
-    # 1. Draft N tokens per row.
-    draft_tokens, draft_probs, h_draft = [], [], []
-    if n:
-        pending = [row.seq[row.dlen :] for row in rows]
-        width = max(len(p) for p in pending)
-        padded = [p + [p[-1]] * (width - len(p)) for p in pending]
-        tokens = torch.tensor(padded, dtype=torch.long, device=dev)  # [R, T0]
-        starts = torch.tensor([row.dlen for row in rows], dtype=torch.long, device=dev)  # [R]
-        hidden = models.draft(tokens, slots, starts, models.draft_cache, contiguous)  # [R, T0, Hd]
-        last = torch.tensor([len(p) - 1 for p in pending], device=dev)  # [R]
-        h = hidden[torch.arange(r, device=dev), last]  # [R, Hd]
-        base = torch.tensor([len(row.seq) for row in rows], dtype=torch.long, device=dev)  # [R]
-        for i in range(n):
-            q = _probs(models.draft.logits(h), temp, top_k, top_p)  # [R, V]
-            x = _pick(q, greedy, all_greedy, u_draft[:, i])  # [R]
-            draft_tokens.append(x)
-            draft_probs.append(q)
-            h_draft.append(h)
-            if i < n - 1:  # the last proposal is never fed: its state would be rolled back or unused
-                h = models.draft(x.view(-1, 1), slots, base + i, models.draft_cache, contiguous)[:, 0]
-        timers.draft_forwards += n
-    _sync(dev)
-    t1 = time.perf_counter()
-    timers.draft_s += t1 - t0
-
-    # 2. One target forward over N+1 positions per row.
-    last_tok = torch.tensor([[row.seq[-1]] for row in rows], dtype=torch.long, device=dev)  # [R, 1]
-    x_all = torch.stack(draft_tokens, 1) if n else last_tok.new_zeros(r, 0)  # [R, N]
-    verify_in = torch.cat([last_tok, x_all], dim=1)  # [R, N+1]
-    tstarts = torch.tensor([row.tlen for row in rows], dtype=torch.long, device=dev)  # [R]
-    h_target = models.target(verify_in, slots, tstarts, models.target_cache, contiguous)  # [R, N+1, Ht]
-    # p goes through the same transform as q; autoregressive decoding needs it too, so it is
-    # counted with the target forward, not with verification.
-    p = _probs(models.target.logits(h_target), temp, top_k, top_p)  # [R, N+1, V]
-    _sync(dev)
-    t2 = time.perf_counter()
-    if n:
-        timers.verify_forward_s += t2 - t1
-        timers.verify_forwards += 1
-    else:
-        timers.target_forward_s += t2 - t1
-        timers.target_forwards += 1
-
-    if not n:  # autoregressive rows: sample p directly (what verify does with N = 0, minus checks)
-        first = p[:, 0]  # [R, V]
-        picks = _pick(first, greedy, all_greedy, u_verify[:, 0])  # [R]
-        for row, tok in zip(rows, picks.tolist(), strict=True):
-            row.record_round(0, [])
-            row.tlen = len(row.seq)
-            row.emit_tokens([tok])
-        timers.round_s += time.perf_counter() - t0
-        timers.rounds += 1
-        return
-
-    # 3. Verify the whole group at once.
-    q_all = torch.stack(draft_probs, 1)  # [R, N, V]
-    learned = [i for i, row in enumerate(rows) if row.learned]
-    weights_cpu = [[row.weight] * n for row in rows]  # per-position w, for the stats
-    if learned:  # per-token w_t from the head for those rows, the dial value for the others
-        weights = _col(rows, "weight", dev).view(-1, 1).expand(r, n).clone()  # [R, N]
-        idx = torch.tensor(learned, device=dev)
-        hd = torch.stack(h_draft, 1)[idx]  # [R', N, Hd]
-        w_head = models.head(hd.float(), h_target[idx, :n].float(), weights[idx, 0])  # [R', N]
-        weights[idx] = w_head.to(weights.dtype).clamp(0.0, 1.0)
-        weights_cpu = weights.tolist()
-    else:  # a float when the group agrees (verify broadcasts it), else one w per row
-        weights = _param(rows, "weight", dev)
-    policy = None
-    if any(row.policy.kind != PolicyKind.ENSEMBLE for row in rows):
-        policy = PolicyBatch.from_policies([row.policy for row in rows], device=dev)
-    g = greedy if all_greedy is None else all_greedy
-    # Range checks were done at submission (weights) or hold by construction (drafts ~ q, head
-    # output clamped): skip verify's host-synced value checks on this hot path.
-    result = verify(p, q_all, x_all, weights, policy=policy, greedy=g, uniforms=u_verify, validate=False)
-    num_accepted = result.num_accepted.tolist()
-    out_tokens = result.tokens.tolist()
-    _sync(dev)
-    t3 = time.perf_counter()
-    timers.verify_call_s += t3 - t2
-
-    # 4. Advance each row by its own accepted length.
-    for row, k, toks, w in zip(rows, num_accepted, out_tokens, weights_cpu, strict=True):
-        old_len = len(row.seq)
-        row.record_round(k, w)
-        row.tlen = old_len + k  # pending + k accepted drafts are valid target positions
-        row.dlen = old_len + min(k, n - 1) if n else row.dlen
-        row.emit_tokens(toks[: k + 1])
-    t4 = time.perf_counter()
-    timers.round_s += t4 - t0
-    timers.rounds += 1

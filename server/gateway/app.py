@@ -23,7 +23,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from server.engine.protocol import Engine, EngineError
 from server.gateway import errors
 from server.gateway.admission import Admission, Overloaded
-from server.gateway.dial import model_names
 from server.gateway.errors import APIError, from_engine_error
 from server.gateway.generation import ClientDisconnected, MultiStream, Tracker, until_disconnect
 from server.gateway.metrics import GatewayMetrics
@@ -39,6 +38,7 @@ from server.gateway.schemas import (
 )
 from server.gateway.settings import GatewaySettings
 from server.gateway.streaming import ChunkFormatter, ClosingEventSourceResponse, sse_events
+from verifier.dial import model_names
 
 log = logging.getLogger("dialspec.gateway")
 
@@ -181,7 +181,7 @@ class Gateway:
             "%s %s tier=%s choices=%d prompt_tokens=%d completion_tokens=%d finish=%s %.3fs",
             prep.request_id,
             prep.kind,
-            prep.dial.tier,
+            prep.dial.label,
             tracker.num_choices,
             usage["prompt_tokens"],
             usage["completion_tokens"],
@@ -243,7 +243,7 @@ def create_app(
     @app.get("/v1/models", response_model=ModelList)
     async def models():
         """The pair (default quality) and `<pair>:<tier>` for every tier."""
-        names = model_names(engine.info.model, settings, engine.info.has_head)
+        names = model_names(engine.info.model, settings.dial_config(), engine.info.has_head)
         return {
             "object": "list",
             "data": [

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from server.engine.protocol import Engine, GenerationChunk, GenerationRequest, SpecStats
-from server.gateway.dial import Dial
 from server.gateway.metrics import GatewayMetrics
+from verifier.dial import DialPoint, PolicyKind
 
 
 class ClientDisconnected(Exception):
@@ -84,7 +84,7 @@ class Tracker:
     """Collects one request's output and timings, and records its metrics exactly once."""
 
     metrics: GatewayMetrics
-    dial: Dial
+    dial: DialPoint
     num_choices: int
     prompt_tokens: int  # usage: each distinct prompt counted once, as OpenAI does
     arrival: float = field(default_factory=time.monotonic)
@@ -107,7 +107,7 @@ class Tracker:
 
     def on_chunk(self, index: int, chunk: GenerationChunk) -> None:
         now = time.monotonic()
-        tier = self.dial.tier
+        tier = self.dial.label
         if chunk.text or chunk.token_ids:
             if self._first_at is None:
                 self._first_at = now
@@ -140,7 +140,7 @@ class Tracker:
             if finish is None:
                 self.metrics.success.labels(finish_reason="abort").inc()
                 self.finish[i] = "abort"
-        self.metrics.e2e.labels(tier=self.dial.tier).observe(time.monotonic() - self.arrival)
+        self.metrics.e2e.labels(tier=self.dial.label).observe(time.monotonic() - self.arrival)
         self.metrics.prompt_tokens_total.inc(self.prompt_tokens)
         self.metrics.prompt_tokens.observe(self.prompt_tokens)
 
@@ -165,12 +165,12 @@ class Tracker:
             s.weight_count += st.weight_count
             s.verify_steps += st.verify_steps
         mean_w = s.mean_weight
-        verify = self.dial.verify
-        if mean_w is None and s.drafts and verify.policy == "ensemble" and not verify.learned:
+        verify = self.dial.verification
+        if mean_w is None and s.drafts and verify.policy == PolicyKind.ENSEMBLE and not verify.learned:
             mean_w = verify.weight  # engine did not report per-position weights: the static w applies
         return {
-            "policy": self.dial.policy,
-            "tier": self.dial.tier,
+            "policy": self.dial.policy_name,
+            "tier": self.dial.label,
             "quality": self.dial.quality,
             "mean_w": mean_w,
             "drafts": s.drafts,

@@ -13,10 +13,9 @@ import uuid
 from dataclasses import dataclass
 
 from server.engine.protocol import Engine, GenerationRequest, SamplingOptions
-from server.gateway.dial import Dial, resolve, split_model_name
 from server.gateway.errors import APIError, bad_request
 from server.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from server.gateway.settings import GatewaySettings
+from verifier.dial import DialConfig, DialError, DialPoint, PolicyKind, resolve, tier_from_model_name
 
 _SEED_MOD = 2**63  # choice j of a seeded request uses seed + j, kept in int64 range
 
@@ -27,16 +26,16 @@ class Prepared:
     request_id: str
     created: int
     model: str  # echoed back as the client sent it
-    dial: Dial
+    dial: DialPoint
     requests: list[GenerationRequest]  # one per choice, in choice-index order
     prompt_tokens: int  # distinct prompts, each counted once
     stream: bool
     include_usage: bool
 
 
-def _model_tier(name: str, engine: Engine, settings: GatewaySettings) -> str | None:
+def _model_tier(name: str, engine: Engine, config: DialConfig) -> str | None:
     try:
-        return split_model_name(name, engine.info.model, settings, engine.info.has_head)
+        return tier_from_model_name(name, engine.info.model, config, engine.info.has_head)
     except LookupError:
         raise APIError(
             404,
@@ -63,20 +62,28 @@ def _encode(kind: str, body, engine: Engine) -> tuple[list[list[int]], str]:
     return [list(x) for x in ids], "prompt"
 
 
+def resolve_dial(body, engine: Engine, config: DialConfig) -> DialPoint:
+    """The request's dial fields (body and model name) -> DialPoint, or a 400 naming the field."""
+    info = engine.info
+    try:
+        return resolve(
+            body.quality,
+            model_tier=_model_tier(body.model, engine, config),
+            policy=PolicyKind.parse(body.verifier) if body.verifier else PolicyKind.ENSEMBLE,
+            mode=body.mode or "speculative",
+            num_draft=body.num_draft,
+            config=config,
+            head_dial=info.auto_dial if info.has_head else None,
+        )
+    except DialError as exc:
+        raise bad_request(str(exc), exc.param, code=exc.code) from None
+
+
 def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, engine: Engine, settings) -> Prepared:
     info = engine.info
-    model_tier = _model_tier(body.model, engine, settings)
     if body.num_draft is not None and body.num_draft > settings.max_num_draft:
         raise bad_request(f"num_draft must be at most {settings.max_num_draft}", "num_draft")
-    dial = resolve(
-        body.quality,
-        model_tier=model_tier,
-        verifier=body.verifier,
-        mode=body.mode,
-        num_draft=body.num_draft,
-        settings=settings,
-        info=info,
-    )
+    dial = resolve_dial(body, engine, settings.dial_config())
 
     prompts, prompt_param = _encode(kind, body, engine)
     choices = len(prompts) * body.n
@@ -127,7 +134,7 @@ def prepare(kind: str, body: ChatCompletionRequest | CompletionRequest, engine: 
                     request_id=f"{rid}-{k}-{j}",
                     prompt_token_ids=tuple(ids),
                     sampling=sampling,
-                    verify=dial.verify,
+                    verify=dial.verification,
                 )
             )
     return Prepared(

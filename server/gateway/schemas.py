@@ -5,7 +5,7 @@ fields whose *absence* would change what the client gets back (tools, logprobs, 
 ...) are rejected with a 400 naming the field instead of being silently dropped.
 
 dialspec extensions (top level; the `openai` client's `extra_body` puts them there):
-    quality   number in [0, 1], a tier name, or "auto" (see dial.py)
+    quality   number in [0, 1], a tier name, or "auto" (see verifier/dial.py)
     verifier  "ensemble" (default) | "lossy" | "cascade" | "typical": baseline policies to compare
     mode      "speculative" (default) | "autoregressive": the target-only baseline
     num_draft draft length N for this request (engine default when absent)
@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+from verifier.dial import POLICY_NAMES
 
 # field -> value(s) that are the same as not sending it (accepted and ignored)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -66,7 +68,7 @@ class _Common(BaseModel):
         description="dialspec: number in [0, 1] (1 = lossless), a tier name (lite, standard, pro, exact) "
         "or 'auto' (learned head). Default: the server's default_quality (exact).",
     )
-    verifier: Literal["ensemble", "lossy", "cascade", "typical"] | None = Field(
+    verifier: Literal[POLICY_NAMES] | None = Field(
         None, description="dialspec: verification policy; baselines are for comparison runs"
     )
     mode: Literal["speculative", "autoregressive"] | None = Field(

@@ -3,7 +3,7 @@
 Precedence, highest first: explicit keyword arguments (the CLI), environment variables, the config
 file named by `DIALSPEC_CONFIG` or `load_settings(config_file=...)` (`.toml` or `.json`), defaults.
 
-Terms:
+Terms (the dial's own terms are defined in `verifier.dial`, which validates its fields):
     tier      a named quality level, mapped to a number in [0, 1] by `tiers`.
     quality   the dial input: 1 = lossless (exactly the target model), 0 = the draft model.
     running   requests admitted and generating; `max_running` bounds them (None = engine max_batch).
@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     JsonConfigSettingsSource,
@@ -25,7 +25,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-DEFAULT_TIERS = {"lite": 0.25, "standard": 0.5, "pro": 0.75, "exact": 1.0}
+from verifier.dial import DEFAULT_TIERS, DialConfig, DialError
 
 # Set only for the duration of one `load_settings` call; the env var is the other way in.
 _config_file: Path | None = None
@@ -34,13 +34,13 @@ _config_file: Path | None = None
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DIALSPEC_", extra="ignore")
 
-    # The dial (see dial.py for how these become VerifyOptions).
+    # The dial: `dial_config()` hands these to `verifier.dial`, which owns their meaning and ranges.
     tiers: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_TIERS))
     default_quality: str | float = "exact"  # lossless unless the client turns the dial
-    dial_gamma: float = Field(1.0, gt=0)  # w = quality ** gamma; 1 keeps w = quality
-    auto_weight: float = Field(0.5, ge=0, le=1)  # dial input handed to the learned head for "auto"
-    lossy_min_lenience: float = Field(0.05, gt=0, le=1)  # lossy: lenience = max(quality, this)
-    cascade_alpha_max: float = Field(1.0, ge=0)  # cascade: alpha = (1 - quality) * this
+    dial_gamma: float = 1.0  # w = quality ** gamma; 1 keeps w = quality
+    auto_dial: float | None = None  # the head's dial for quality "auto"; None = the head's own default
+    lossy_min_lenience: float = 0.05  # lossy: lenience = max(quality, this)
+    cascade_alpha_max: float = 1.0  # cascade: alpha = (1 - quality) * this
 
     # Admission control.
     max_running: int | None = Field(None, ge=1)
@@ -66,15 +66,20 @@ class GatewaySettings(BaseSettings):
             return [k.strip() for k in value.split(",") if k.strip()]
         return value
 
-    @field_validator("tiers")
-    @classmethod
-    def _check_tiers(cls, tiers: dict[str, float]):
-        for name, q in tiers.items():
-            if not 0.0 <= q <= 1.0:
-                raise ValueError(f"tier {name!r} has quality {q}, expected a number in [0, 1]")
-            if ":" in name or name in ("auto", "custom"):
-                raise ValueError(f"tier name {name!r} is reserved or contains ':'")
-        return tiers
+    @model_validator(mode="after")
+    def _check_dial(self):
+        self.dial_config()  # DialError (a ValueError) becomes a settings validation error
+        return self
+
+    def dial_config(self) -> DialConfig:
+        try:
+            return DialConfig(
+                tiers=self.tiers, default_quality=self.default_quality, gamma=self.dial_gamma,
+                auto_dial=self.auto_dial, lossy_min_lenience=self.lossy_min_lenience,
+                cascade_alpha_max=self.cascade_alpha_max,
+            )  # fmt: skip
+        except DialError as exc:
+            raise ValueError(str(exc)) from None
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, **_):

@@ -29,18 +29,20 @@ from __future__ import annotations
 
 import torch
 
+from verifier.policies import ensemble_mix
+
 # log(0) would give -inf rows that SGLang's NaN/inf probes flag; a tiny floor keeps argmax intact.
 _LOG_FLOOR = 1e-30
 
 
 def _weights_2d(weights: torch.Tensor, b: int, n: int, like: torch.Tensor) -> torch.Tensor:
-    """Broadcast `[B]` or `[B, N]` weights to `[B, N, 1]` in `like`'s dtype and device."""
+    """Broadcast `[B]` or `[B, N]` weights to `[B, N]` in `like`'s dtype and device."""
     w = torch.as_tensor(weights, dtype=like.dtype, device=like.device)
     if w.dim() == 1 and w.shape[0] == b:
         w = w.unsqueeze(1).expand(b, n)
     if tuple(w.shape) != (b, n):
         raise ValueError(f"weights must be [B]={b} or [B, N]={(b, n)}, got {tuple(w.shape)}")
-    return w.clamp(0.0, 1.0).unsqueeze(-1)
+    return w.clamp(0.0, 1.0)
 
 
 def mix_target_probs(
@@ -54,10 +56,10 @@ def mix_target_probs(
     n = n1 - 1
     if tuple(draft_probs.shape) != (b, n, v):
         raise ValueError(f"draft_probs must be [B, N, V]={(b, n, v)}, got {tuple(draft_probs.shape)}")
-    w = _weights_2d(weights, b, n, target_probs)  # [B, N, 1]
+    w = _weights_2d(weights, b, n, target_probs)  # [B, N]
     p = target_probs[:, :n]  # [B, N, V]
     q = draft_probs.to(target_probs.dtype)
-    nu = torch.where(w >= 1.0, p, w * p + (1.0 - w) * q)  # [B, N, V]
+    nu = torch.where((w >= 1.0).unsqueeze(-1), p, ensemble_mix(p, q, w.unsqueeze(-1)))  # [B, N, V]
     return torch.cat([nu, target_probs[:, n:]], dim=1)
 
 
@@ -72,8 +74,8 @@ def greedy_nu_logits(
     b, n1, v = target_logits.shape
     n = n1 - 1
     p = target_logits[:, :n].float().softmax(dim=-1)  # [B, N, V]
-    w = _weights_2d(weights, b, n, p)
-    nu = w * p + (1.0 - w) * draft_probs.float()
+    w = _weights_2d(weights, b, n, p)  # [B, N]
+    nu = ensemble_mix(p, draft_probs.float(), w.unsqueeze(-1))  # [B, N, V]
     mixed = nu.clamp_min(_LOG_FLOOR).log().to(target_logits.dtype)  # [B, N, V]
     return torch.cat([mixed, target_logits[:, n:]], dim=1)
 

@@ -1,21 +1,21 @@
 """Per-request dialspec parameters as they travel inside SGLang, and the plugin's server settings.
 
 A request carries its dial in `sampling_params.custom_params` (a JSON dict SGLang passes through
-`/generate` and the OpenAI endpoints untouched), under these keys:
+`/generate` and the OpenAI endpoints untouched). The keys and their meaning are owned by
+`verifier.dial` (`Verification.to_custom_params` / `from_custom_params`):
 
-    dialspec_w        float in [0, 1]: ensemble weight on the target (1 = lossless).
+    dialspec_w        float in [0, 1]: the static ensemble weight on the target (1 = lossless).
+    dialspec_dial     float in [0, 1], only for learned requests: the learned head's dial input.
     dialspec_mode     "speculative" (default) or "autoregressive". SGLang's speculative mode is
                       server-wide, so "autoregressive" is served as w = 1: the output
                       distribution is then exactly the target's, which is what the mode means.
-    dialspec_learned  bool: use the learned head's per-token w_t (dialspec_w is then the dial
-                      input handed to the head).
 
 Server settings come from environment variables so that every SGLang process (launcher,
 scheduler subprocesses) sees the same values without extra CLI flags:
 
     DIALSPEC_SGLANG_PLUGIN   "1" turns the plugin on; anything else leaves SGLang stock.
     DIALSPEC_DEFAULT_W       default w for requests that send none (default 1.0, lossless).
-    DIALSPEC_HEAD_PATH       optional TorchScript file of the learned head (see learned_head.py).
+    DIALSPEC_HEAD_PATH       optional learned head (see learned_head.py).
 
 No SGLang or torch import: this module is read by the launcher CLI too.
 """
@@ -29,14 +29,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from verifier.dial import WIRE_DIAL, WIRE_MODE, WIRE_W, DialError, Verification, from_custom_params
+
 logger = logging.getLogger(__name__)
 
 ENV_ENABLE = "DIALSPEC_SGLANG_PLUGIN"
 ENV_DEFAULT_W = "DIALSPEC_DEFAULT_W"
 ENV_HEAD_PATH = "DIALSPEC_HEAD_PATH"
-KEY_W = "dialspec_w"
-KEY_MODE = "dialspec_mode"
-KEY_LEARNED = "dialspec_learned"
+KEY_W, KEY_DIAL, KEY_MODE = WIRE_W, WIRE_DIAL, WIRE_MODE  # owned by verifier.dial
 
 
 @dataclass(frozen=True)
@@ -72,25 +72,23 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> PluginSetting
 class RowParams:
     """What the verify step needs from one request."""
 
-    weight: float
-    learned: bool
+    weight: float  # static w (also the learned rows' fallback)
+    dial: float | None = None  # learned head input; None = static w
+
+    @property
+    def learned(self) -> bool:
+        return self.dial is not None
 
 
 def row_params(custom_params: Mapping[str, Any] | None, default_w: float) -> RowParams:
-    """Extract one request's dial. Bad values fall back to the server default (logged once per
-    call site, not raised: the gateway validates, and a verify step must never fail a batch)."""
-    if not custom_params:
-        return RowParams(weight=default_w, learned=False)
-    if custom_params.get(KEY_MODE) == "autoregressive":
-        return RowParams(weight=1.0, learned=False)
-    w = default_w
-    if KEY_W in custom_params:
-        parsed = _parse_w(custom_params[KEY_W])
-        if parsed is None:
-            logger.warning("dialspec: ignoring invalid %s=%r", KEY_W, custom_params[KEY_W])
-        else:
-            w = parsed
-    return RowParams(weight=w, learned=bool(custom_params.get(KEY_LEARNED, False)))
+    """Extract one request's dial. Bad values fall back to the server default (logged, not
+    raised: the gateway validates, and a verify step must never fail a batch)."""
+    try:
+        v = from_custom_params(custom_params, default_w)
+    except DialError as exc:
+        logger.warning("dialspec: ignoring invalid custom_params (%s); using w = %s", exc, default_w)
+        return RowParams(weight=default_w)
+    return RowParams(weight=v.weight, dial=v.dial)
 
 
 def batch_row_params(reqs: Sequence[Any], default_w: float) -> list[RowParams]:
@@ -102,8 +100,6 @@ def batch_row_params(reqs: Sequence[Any], default_w: float) -> list[RowParams]:
     return out
 
 
-def custom_params_for(weight: float, mode: str = "speculative", learned: bool = False) -> dict:
+def custom_params_for(verify: Verification) -> dict:
     """The `custom_params` dict a client sends (used by the gateway's SGLang engine)."""
-    if _parse_w(weight) is None:
-        raise ValueError(f"weight must be a number in [0, 1], got {weight!r}")
-    return {KEY_W: float(weight), KEY_MODE: mode, KEY_LEARNED: bool(learned)}
+    return verify.validate().to_custom_params()

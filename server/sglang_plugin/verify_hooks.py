@@ -71,7 +71,8 @@ def row_weights(
     if head is None or not any(p.learned for p in params):
         return static
     learned_rows = torch.tensor([p.learned for p in params], device=device)  # [B]
-    w_t = head.weights(static, num_draft)  # [B, N]
+    dial = torch.tensor([p.dial if p.learned else p.weight for p in params], device=device)  # [B]
+    w_t = head.weights(dial, num_draft)  # [B, N]
     return torch.where(learned_rows.unsqueeze(1), w_t, static.unsqueeze(1).expand_as(w_t))
 
 
