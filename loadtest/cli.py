@@ -33,7 +33,14 @@ from loadtest.schedule import LoadShape, parse_sweep
 from loadtest.scrape import delta, scrape
 from loadtest.summary import summarize_phase
 from loadtest.tiers import TierMixError, assign, format_tier_mix, parse_tier_mix
-from server.cli import CLIError
+
+
+class UsageError(Exception):
+    """A user mistake: `dialspec` prints it as one line (this package needs nothing from the
+    server but its HTTP API, so it brings its own error type; see CLI_ERRORS)."""
+
+
+CLI_ERRORS = (UsageError,)
 
 
 def register(subparsers) -> None:
@@ -108,11 +115,11 @@ def base_url(url: str) -> str:
     """Validate --url; accepts `http://host:port` or `.../v1` and returns the part before /v1."""
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise CLIError(f"--url {url!r} is not an http(s) URL; write e.g. --url http://127.0.0.1:8000")
+        raise UsageError(f"--url {url!r} is not an http(s) URL; write e.g. --url http://127.0.0.1:8000")
     try:
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError:
-        raise CLIError(f"--url {url!r} has a bad port; write e.g. --url http://127.0.0.1:8000") from None
+        raise UsageError(f"--url {url!r} has a bad port; write e.g. --url http://127.0.0.1:8000") from None
     path = parts.path.rstrip("/")
     if path.endswith("/v1"):
         path = path[: -len("/v1")]
@@ -123,26 +130,26 @@ def _shapes(args) -> list[LoadShape]:
     try:
         if args.rate is not None:
             if args.max_concurrency is not None and args.max_concurrency < 1:
-                raise CLIError("--max-concurrency must be at least 1")
+                raise UsageError("--max-concurrency must be at least 1")
             return [LoadShape("rate", v, args.max_concurrency) for v in parse_sweep(args.rate, "rate")]
         if args.max_concurrency is not None:
-            raise CLIError(
+            raise UsageError(
                 "--max-concurrency applies to --rate runs; with --concurrency it is the concurrency"
             )
         return [LoadShape("concurrency", v) for v in parse_sweep(args.concurrency or "4", "concurrency")]
     except ValueError as exc:
-        raise CLIError(str(exc)) from None
+        raise UsageError(str(exc)) from None
 
 
 def _check_args(args) -> None:
     if args.num_requests < 1:
-        raise CLIError("--num-requests must be at least 1")
+        raise UsageError("--num-requests must be at least 1")
     if not args.duration > 0:
-        raise CLIError("--duration must be a positive number of seconds")
+        raise UsageError("--duration must be a positive number of seconds")
     if not args.request_timeout > 0:
-        raise CLIError("--request-timeout must be a positive number of seconds")
+        raise UsageError("--request-timeout must be a positive number of seconds")
     if args.max_tokens < 1:
-        raise CLIError("--max-tokens must be at least 1")
+        raise UsageError("--max-tokens must be at least 1")
 
 
 def _extra_body(text: str | None) -> dict:
@@ -151,11 +158,11 @@ def _extra_body(text: str | None) -> dict:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise CLIError(
+        raise UsageError(
             f'--extra-body is not valid JSON ({exc.msg}); write e.g. \'{{"verifier": "lossy"}}\''
         ) from None
     if not isinstance(obj, dict):
-        raise CLIError("--extra-body must be a JSON object")
+        raise UsageError("--extra-body must be a JSON object")
     return obj
 
 
@@ -164,18 +171,18 @@ async def preflight(client: httpx.AsyncClient, url: str, model: str | None) -> s
     try:
         resp = await client.get("/v1/models", timeout=10.0)
     except httpx.ConnectError:
-        raise CLIError(
+        raise UsageError(
             f"cannot connect to {url} (nothing listening?); "
             "start the server (e.g. `dialspec serve`) or fix --url"
         ) from None
     except httpx.TimeoutException:
-        raise CLIError(
+        raise UsageError(
             f"{url} did not answer within 10 s; check the server is healthy or fix --url"
         ) from None
     except httpx.HTTPError as exc:
-        raise CLIError(f"cannot reach {url} ({type(exc).__name__}: {exc}); fix --url") from None
+        raise UsageError(f"cannot reach {url} ({type(exc).__name__}: {exc}); fix --url") from None
     if resp.status_code == 401:
-        raise CLIError(f"{url} rejected the API key (401); pass the server's key with --api-key")
+        raise UsageError(f"{url} rejected the API key (401); pass the server's key with --api-key")
     if resp.status_code == 200:
         try:
             ids = [m["id"] for m in resp.json().get("data", [])]
@@ -183,11 +190,11 @@ async def preflight(client: httpx.AsyncClient, url: str, model: str | None) -> s
             ids = []
         if model is None:
             if not ids:
-                raise CLIError(f"{url}/v1/models lists no model; pass --model")
+                raise UsageError(f"{url}/v1/models lists no model; pass --model")
             return ids[0]
         return model
     if model is None:
-        raise CLIError(
+        raise UsageError(
             f"{url}/v1/models answered HTTP {resp.status_code}; pass --model (is --url the API root?)"
         )
     return model
@@ -300,14 +307,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         tiers = parse_tier_mix(args.tiers)
     except TierMixError as exc:
-        raise CLIError(f"--tiers: {exc}") from None
+        raise UsageError(f"--tiers: {exc}") from None
     n_tasks = 3 if args.prompts == "suite" else max(1, len(args.prompts.partition(":")[2].split(",")))
     try:
         prompts = load_prompts(args.prompts, min(100, math.ceil(args.num_requests / n_tasks)), args.seed)
     except PromptError as exc:
-        raise CLIError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     if args.endpoint == "completions" and any(len(p.messages) > 1 for p in prompts):
-        raise CLIError("multi-message prompts need --endpoint chat")
+        raise UsageError("multi-message prompts need --endpoint chat")
     opts = RequestOptions(
         model=args.model,
         endpoint=args.endpoint,

@@ -1,20 +1,26 @@
-"""Prompt sources: the embedded task suite (`training.tasks`) or a JSONL file.
+"""Prompt sources: the embedded pair's task-suite prompts, or a JSONL file.
 
-    suite   `--prompts suite[:task,task]` (default: all of math, summary, code): `n` test-split
-            examples per task, generated deterministically from the seed and interleaved
-            (math, summary, code, math, ...), sent as one user message each.
+    suite   `--prompts suite[:task,task]` (default: all of math, summary, code): `n` prompts per
+            task from the task suite's test split as shipped beside the embedded pair
+            (`models/embedded/prompts.jsonl`, written by `dialspec pair prompts`), interleaved
+            (math, summary, code, math, ...), each sent as one user message. A non-zero seed
+            picks a different deterministic sample of that file.
     JSONL   `--prompts FILE.jsonl`: one JSON object per line with either `"prompt": "text"` or
             `"messages": [{"role": ..., "content": ...}, ...]`, optionally `"max_tokens": int`
             (overrides `--max-tokens` for that prompt). Blank lines are skipped.
 
 Requests cycle through the prompts in order, so a run longer than the prompt list reuses them.
+This package talks to servers over HTTP only: the suite is read as a data file, not imported.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
+
+SUITE_FILE = Path(__file__).resolve().parent.parent / "models" / "embedded" / "prompts.jsonl"
 
 
 class PromptError(ValueError):
@@ -33,25 +39,25 @@ class Prompt:
         return "\n".join(str(m.get("content", "")) for m in self.messages)
 
 
-def load_suite(tasks: list[str] | None, n: int, seed: int) -> list[Prompt]:
-    """`n` test-split examples of each task from the embedded suite, interleaved."""
-    try:
-        from training import tasks as suite
-    except ImportError:  # pragma: no cover - only in a checkout without training/
-        raise PromptError(
-            "the embedded task suite (training/tasks) is not available; use --prompts FILE.jsonl"
-        ) from None
-    names = tasks or sorted(suite.TASKS)
-    unknown = [t for t in names if t not in suite.TASKS]
+def load_suite(tasks: list[str] | None, n: int, seed: int, path: Path = SUITE_FILE) -> list[Prompt]:
+    """`n` prompts of each task from the suite file, interleaved; seed 0 takes them in file order."""
+    if not path.is_file():
+        raise PromptError(f"the task-suite prompts ({path}) are missing; use --prompts FILE.jsonl")
+    by_task: dict[str, list[Prompt]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            obj = json.loads(line)
+            prompt = Prompt(obj["uid"], ({"role": "user", "content": obj["prompt"]},))
+            by_task.setdefault(obj["task"], []).append(prompt)
+    names = tasks or sorted(by_task)
+    unknown = [t for t in names if t not in by_task]
     if unknown:
-        raise PromptError(f"unknown suite task {unknown[0]!r}; choose from {', '.join(sorted(suite.TASKS))}")
-    per_task = [suite.load(t, "test", n, seed) for t in names]
-    out: list[Prompt] = []
-    for i in range(n):
-        for examples in per_task:
-            ex = examples[i]
-            out.append(Prompt(ex.uid, tuple(ex.messages())))
-    return out
+        raise PromptError(f"unknown suite task {unknown[0]!r}; choose from {', '.join(sorted(by_task))}")
+    short = [t for t in names if len(by_task[t]) < n]
+    if short:
+        raise PromptError(f"the suite has {len(by_task[short[0]])} {short[0]} prompts, fewer than {n}")
+    per_task = [by_task[t] if seed == 0 else random.Random(seed).sample(by_task[t], n) for t in names]
+    return [examples[i] for i in range(n) for examples in per_task]
 
 
 def load_jsonl(path: Path) -> list[Prompt]:

@@ -33,10 +33,9 @@ MAX_TOKENS = 48
 
 
 def _prompt_ids(tok, n: int) -> list[list[int]]:
-    from training import tasks
+    from server.engine.model_pair import suite_prompts
 
-    per_task = {t: tasks.load(t, "test", n) for t in sorted(tasks.TASKS)}
-    prompts = [ex.prompt for group in zip(*per_task.values(), strict=True) for ex in group][:n]
+    prompts = suite_prompts(n)
     chats = [
         tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
         for p in prompts

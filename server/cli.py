@@ -1,7 +1,10 @@
-"""`dialspec` command line. Each subcommand lives with its feature and registers here.
+"""`dialspec` command line: the application's entry point. Each subcommand lives with its feature.
 
-A subcommand module exposes `register(subparsers)`; it adds its parser and sets `func`.
-User mistakes raise `CLIError` and print one line with the fix, never a traceback.
+A subcommand module exposes `register(subparsers)`; it adds its parser and sets `func`. Modules
+are named here as strings and imported only to build the parser: the CLI sits above every layer
+(verifier <- engine <- gateway; training and loadtest on top) and nothing imports it back.
+User mistakes raise `server.cli_errors.CLIError` (or a subcommand's own error type listed in its
+module's `CLI_ERRORS`) and print one line with the fix, never a traceback.
 """
 
 from __future__ import annotations
@@ -10,9 +13,11 @@ import argparse
 import importlib
 import sys
 
-# Modules that provide subcommands (added as features land).
+from server.cli_errors import CLIError
+
+# Modules that provide subcommands.
 SUBCOMMAND_MODULES: list[str] = [
-    "server.engine.bench",
+    "server.engine.bench.cli",
     "server.gateway.serve",
     "loadtest.cli",
     "training.commands",
@@ -21,27 +26,28 @@ SUBCOMMAND_MODULES: list[str] = [
 ]
 
 
-class CLIError(Exception):
-    """A user mistake: printed as one line `dialspec: error: ...` with exit status 2."""
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, tuple[type[Exception], ...]]:
+    """The parser, and the exception types that mean "user mistake" (CLIError and the modules'
+    own `CLI_ERRORS`: loadtest, which depends only on the HTTP API, brings its own)."""
     parser = argparse.ArgumentParser(prog="dialspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    user_errors: tuple[type[Exception], ...] = (CLIError,)
     for name in SUBCOMMAND_MODULES:
-        importlib.import_module(name).register(sub)
-    return parser
+        module = importlib.import_module(name)
+        module.register(sub)
+        user_errors += tuple(getattr(module, "CLI_ERRORS", ()))
+    return parser, user_errors
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser, user_errors = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
     try:
         return int(args.func(args) or 0)
-    except CLIError as exc:
+    except user_errors as exc:
         print(f"dialspec: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -49,8 +55,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run through the importable module, not this `__main__` copy: subcommands raise
-    # `server.cli.CLIError`, which must be the class `main` catches.
-    from server.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

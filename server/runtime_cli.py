@@ -19,7 +19,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from server.cli import CLIError
+from server.cli_errors import CLIError
 from server.sglang_plugin.params import ENV_DEFAULT_W, ENV_ENABLE, ENV_HEAD_PATH
 
 INSTALL_HINT = "SGLang is not installed here: pip install 'dialspec[sglang]' (on a GPU node)"

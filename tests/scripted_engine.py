@@ -165,7 +165,7 @@ class LiveServer:
     def __init__(self, app, startup_timeout: float = 120.0):
         import uvicorn
 
-        from server.gateway.serve import tcp_socket
+        from server.gateway.listen import tcp_socket
 
         self.sock = tcp_socket("127.0.0.1")
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

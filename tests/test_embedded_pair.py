@@ -16,7 +16,7 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
-from training.embedded_pair import EMBEDDED_PAIR_DIR, PairIntegrityError, verify_pair
+from server.engine.model_pair import EMBEDDED_PAIR_DIR, PairIntegrityError, verify_pair
 from training.scorecard import SLICE_N, load_model, math_slice
 from training.spec_reference import measure_acceptance
 from training.tasks import load
@@ -126,3 +126,14 @@ def test_corrupt_or_missing_file_raises(tmp_path):
     (copy / "SHA256SUMS").unlink()
     with pytest.raises(PairIntegrityError, match="no SHA256SUMS"):
         verify_pair(copy)
+
+
+def test_shipped_prompts_are_the_task_suite_test_split():
+    """`models/embedded/prompts.jsonl` (what benchmarks and load tests read without importing
+    training) is exactly what `dialspec pair prompts` generates from the task suite."""
+    from server.engine.model_pair import PROMPTS_FILE, suite_prompts
+    from training.pair_cli import suite_prompt_lines
+
+    shipped = (EMBEDDED_PAIR_DIR / PROMPTS_FILE).read_text(encoding="utf-8").splitlines()
+    assert shipped == suite_prompt_lines()
+    assert suite_prompts(3) == [load(t, "test", 1)[0].prompt for t in ("code", "math", "summary")]

@@ -98,7 +98,7 @@ def test_learned_without_head_is_rejected(tiny_pair):
 
 def test_saved_weight_head_loads_and_sets_w(tiny_pair, tmp_path):
     """A `verifier.head.WeightHead` saved to disk is loaded by path; a fresh head predicts w = 0.5."""
-    from verifier.head import head_for_pair, save_head
+    from server.engine.head_store import head_for_pair, save_head
 
     save_head(head_for_pair(*tiny_pair, pair_name="tiny-pair"), tmp_path / "head")
     eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_context=64, head=tmp_path / "head"))

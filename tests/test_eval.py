@@ -7,8 +7,8 @@ import json
 import pytest
 
 from server import cli
+from server.engine.head_store import head_for_pair, save_head
 from training.eval_report import frontier_score, verdicts
-from verifier.head import head_for_pair, save_head
 
 
 @pytest.fixture

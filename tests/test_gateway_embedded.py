@@ -87,7 +87,7 @@ def test_metrics_lower_quality_raises_acceptance(served, client):
     """A fixed-seed batch per tier; the metrics deltas must equal the responses' own counters, and
     lite (w = 0.25) must accept a larger share of drafts than exact (w = 1).
 
-    Why the test is sound: per draft position acceptance is 1 - w*TV(p, q) (DESIGN.md section 1),
+    Why the test is sound: per draft position acceptance is 1 - w*TV(p, q) (docs/algorithm.md),
     so for any pair with TV > 0 the expected rate is strictly decreasing in w. Each request's rate is
     a mean of bounded indicators; with K = 8 requests per arm the difference of means over its
     standard error (Welch) is approximately normal, and we require z > 3 (one-sided false-alarm

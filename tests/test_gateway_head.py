@@ -9,8 +9,8 @@ import sys
 
 import openai
 
+from server.engine.model_pair import EMBEDDED_PAIR_DIR
 from tests.fake_sglang import free_port
-from training.embedded_pair import EMBEDDED_PAIR_DIR
 
 DIALSPEC = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main(sys.argv[1:]))"]
 MSG = [{"role": "user", "content": "Tom has 7 apples. He buys 5 more and then gives away 3. How many now?"}]

@@ -9,18 +9,11 @@ import shutil
 import pytest
 import torch
 
+from server.engine.head_store import CONFIG_FILE, head_for_pair, load_head, pair_fingerprint, save_head
 from server.engine.llama import load_model
 from training.rl import TrainConfig, reinforce_pp_loss
 from training.rollout import Rollout, teacher_force
-from verifier.head import (
-    CONFIG_FILE,
-    HeadConfig,
-    WeightHead,
-    head_for_pair,
-    load_head,
-    pair_fingerprint,
-    save_head,
-)
+from verifier.head import HeadConfig, WeightHead
 
 
 def _inputs(r=3, n=5, hd=8, ht=12, seed=0):

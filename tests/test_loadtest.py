@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from loadtest.cli import base_url
+from loadtest.cli import UsageError, base_url
 from loadtest.client import RequestOptions, RequestSpec, send
 from loadtest.prompts import Prompt, PromptError, load_jsonl, load_prompts
 from loadtest.schedule import LoadShape, parse_sweep, poisson_arrivals
@@ -26,7 +26,7 @@ from loadtest.scrape import delta, parse_spec_counters
 from loadtest.sse import MalformedStream, SSEDecoder, parse_event
 from loadtest.stats import percentile, summarize
 from loadtest.tiers import DEFAULT_GROUP, TierMixError, assign, parse_tier_mix
-from server.cli import CLIError, main
+from server.cli import main
 from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings
 from tests.scripted_engine import ScriptedEngine, live_server
@@ -193,7 +193,7 @@ def test_base_url_validation():
     assert base_url("http://127.0.0.1:8000/v1/") == "http://127.0.0.1:8000"
     assert base_url("http://localhost:9") == "http://localhost:9"
     for bad in ("127.0.0.1:8000", "ftp://x", "http://", "http://h:99999"):
-        with pytest.raises(CLIError):
+        with pytest.raises(UsageError):
             base_url(bad)
 
 

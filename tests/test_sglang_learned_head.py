@@ -131,7 +131,7 @@ def test_row_weights_mix_learned_and_static_rows():
 
 
 def test_project_head_directory_loads(pair, tmp_path):
-    from verifier.head import save_head
+    from server.engine.head_store import save_head
 
     target, draft = pair
     saved = save_head(head_for_pair_sizes(draft, target), tmp_path / "head")

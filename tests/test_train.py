@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from server.engine.head_store import load_head
 from training.rl import (
     TrainConfig,
     lr_factor,
@@ -16,7 +17,7 @@ from training.rl import (
 )
 from training.rollout import Forced
 from training.trainer import Trainer
-from verifier.head import HeadConfig, WeightHead, load_head
+from verifier.head import HeadConfig, WeightHead
 
 
 def _cfg(tiny_pair, tmp_path, **kw) -> TrainConfig:

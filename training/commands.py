@@ -3,8 +3,8 @@
     dialspec train [--updates 40] [--out models/embedded/head] [--resume]
     dialspec eval  [--head models/embedded/head] [--out runs/eval] [--limit 16] [--quick]
 
-Both default to the shipped embedded pair (`training.embedded_pair.verify_pair()`); `--target` and
-`--draft` (with `--pair-name`) pick another one. User mistakes raise `server.cli.CLIError`.
+Both default to the shipped embedded pair (`server.engine.model_pair.verify_pair()`); `--target` and
+`--draft` (with `--pair-name`) pick another one. User mistakes raise `server.cli_errors.CLIError`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from server.cli import CLIError
+from server.cli_errors import CLIError
 
 DEFAULT_HEAD = "models/embedded/head"
 
@@ -29,7 +29,7 @@ def resolve_pair(args) -> tuple[str, str, str]:
                 raise CLIError(f"{p} is not a model directory (no config.json)")
         return args.target, args.draft, args.pair_name or Path(args.target).name
     try:
-        from training.embedded_pair import verify_pair
+        from server.engine.model_pair import verify_pair
 
         pair = verify_pair()
     except (ImportError, OSError, ValueError, RuntimeError) as exc:  # RuntimeError: PairIntegrityError
@@ -163,7 +163,7 @@ def run_eval_cmd(args) -> int:
     head = None
     head_path = None if args.head in (None, "", "none") else args.head
     if head_path:
-        from verifier.head import load_head
+        from server.engine.head_store import load_head
 
         try:
             head = load_head(head_path, name, target_path=target, draft_path=draft)

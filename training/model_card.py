@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from training.embedded_pair import write_checksums
+from server.engine.model_pair import write_checksums
 from training.scorecard import NUM_DRAFT, SLICE_N
 from training.tasks import TASKS
 
@@ -125,5 +125,5 @@ are in `train.log`.
 
 Training is seeded, but its schedule also respects a wall-clock budget (see `training/recipe.py`),
 so a much slower or faster machine takes a different number of steps and lands on slightly
-different scores. `SHA256SUMS` covers every file; `training.embedded_pair.verify_pair()` checks it.
+different scores. `SHA256SUMS` covers every file; `server.engine.model_pair.verify_pair()` checks it.
 """

@@ -3,6 +3,7 @@
 dialspec pair train [--out DIR] [--minutes M]   tokenizer + draft + target, scores, card, checksums
 dialspec pair score [--pair DIR] [--n N]         re-measure scores and acceptance, rewrite the card
 dialspec pair verify [--pair DIR]                check SHA256SUMS
+dialspec pair prompts [--pair DIR] [--n N]       write the pair's prompts.jsonl (test-split prompts)
 dialspec tasks export --task T --split S [--n N] [--out FILE]   JSONL of generated examples
 """
 
@@ -13,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from server.cli import CLIError
-from training.embedded_pair import EMBEDDED_PAIR_DIR, PairIntegrityError, verify_pair
+from server.cli_errors import CLIError
+from server.engine.model_pair import EMBEDDED_PAIR_DIR, PROMPTS_FILE, PairIntegrityError, verify_pair
 from training.tasks import SPLITS, TASKS, load
 
 
@@ -62,6 +63,31 @@ def _verify(args) -> int:
     return 0
 
 
+PROMPTS_PER_TASK = 100
+
+
+def suite_prompt_lines(n: int = PROMPTS_PER_TASK) -> list[str]:
+    """JSONL lines of `n` test-split prompts per task (seed 0), tasks interleaved in sorted order —
+    the workload file serving and load testing read without importing this package."""
+    per_task = [load(t, "test", n) for t in sorted(TASKS)]
+    return [
+        json.dumps({"uid": ex.uid, "task": ex.task, "prompt": ex.prompt}, ensure_ascii=False)
+        for group in zip(*per_task, strict=True)
+        for ex in group
+    ]
+
+
+def _prompts(args) -> int:
+    if args.n < 1:
+        raise CLIError(f"--n must be >= 1 (got {args.n})")
+    if not Path(args.pair).is_dir():
+        raise CLIError(f"{args.pair} is not a directory; point --pair at a model pair directory")
+    out = Path(args.pair) / PROMPTS_FILE
+    out.write_text("\n".join(suite_prompt_lines(args.n)) + "\n", encoding="utf-8")
+    print(f"wrote {out} ({args.n} prompts per task)")
+    return 0
+
+
 def _export(args) -> int:
     if args.n < 1:
         raise CLIError(f"--n must be >= 1 (got {args.n})")
@@ -105,6 +131,10 @@ def register(subparsers) -> None:
     ver = psub.add_parser("verify", help="check the pair's SHA256SUMS")
     ver.add_argument("--pair", default=str(EMBEDDED_PAIR_DIR))
     ver.set_defaults(func=_verify)
+    prompts = psub.add_parser("prompts", help="write the pair's prompts.jsonl (benchmark/load-test prompts)")
+    prompts.add_argument("--pair", default=str(EMBEDDED_PAIR_DIR))
+    prompts.add_argument("--n", type=int, default=PROMPTS_PER_TASK, help="prompts per task")
+    prompts.set_defaults(func=_prompts)
 
     tasks = subparsers.add_parser("tasks", help="the generated task suite")
     tsub = tasks.add_subparsers(dest="tasks_command", metavar="ACTION", required=True)

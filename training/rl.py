@@ -1,4 +1,4 @@
-"""REINFORCE++ training of the dial-conditioned weight head (DESIGN.md section 1).
+"""REINFORCE++ training of the dial-conditioned weight head (docs/algorithm.md).
 
 Terms
     policy      speculative decoding with the ensemble verifier and head weights w_t emits exactly

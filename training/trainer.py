@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from server.engine.head_store import head_for_pair, save_head
 from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
 from training import tasks
 from training.rl import (
@@ -33,7 +34,7 @@ from training.rl import (
     update_step,
 )
 from training.rollout import expected_acceptance, generate_batch, rollout_engine, teacher_force
-from verifier.head import WeightHead, head_for_pair, save_head
+from verifier.head import WeightHead
 
 
 def _seed(*parts) -> int:

@@ -1,4 +1,4 @@
-"""Closed-form quantities of ensemble verification (DESIGN.md section 1).
+"""Closed-form quantities of ensemble verification (docs/algorithm.md).
 
 Terms
     p, q    target and draft distributions `[..., V]` (rows sum to 1).

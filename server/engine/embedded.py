@@ -36,8 +36,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def default_pair_paths() -> tuple[Path, Path, str]:
-    """The shipped embedded pair (imported lazily: that module lands separately)."""
-    from training.embedded_pair import verify_pair
+    """The shipped embedded pair, checksums verified."""
+    from server.engine.model_pair import verify_pair
 
     pair = verify_pair()
     return Path(pair.target), Path(pair.draft), pair.name
@@ -53,7 +53,7 @@ class EmbeddedEngineConfig:
     device: str = "cpu"
     dtype: str | torch.dtype | None = None  # None: float32 on CPU, bfloat16 on CUDA
     served_name: str | None = None  # default: the target directory's name
-    head: WeightHead | str | Path | None = None  # a callable, or a directory saved by verifier.head
+    head: WeightHead | str | Path | None = None  # a callable, or a directory saved by head_store
     max_num_draft: int = 8  # largest per-request N (cache slack is sized by it)
     max_waiting: int = 256  # queue bound; beyond it requests get EngineError 'capacity'
     # Intra-op CPU threads of the scheduler thread (OpenMP settings are per thread, so callers'
@@ -134,11 +134,11 @@ class EmbeddedEngine:
         )
 
     def _resolve_head(self) -> WeightHead | None:
-        """The configured head; a directory is loaded with `verifier.head.load_head`, which refuses
+        """The configured head; a directory is loaded with `server.engine.head_store.load_head`, which refuses
         a head trained for a different pair (ValueError naming both)."""
         head, c = self.config.head, self.config
         if isinstance(head, (str, Path)):
-            from verifier.head import load_head
+            from server.engine.head_store import load_head
 
             head = load_head(head, target_path=c.target_path, draft_path=c.draft_path)
         return head

@@ -34,7 +34,6 @@ from server.engine.protocol import (
     GenerationRequest,
     SpecStats,
 )
-from server.sglang_plugin.params import custom_params_for
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 # U+FFFD at the end of cumulative text is an incomplete multi-byte character being decoded;
@@ -50,7 +49,7 @@ def sampling_params_for(request: GenerationRequest) -> dict[str, Any]:
         "top_p": s.top_p,
         "top_k": s.top_k if s.top_k > 0 else -1,
         "max_new_tokens": s.max_tokens,
-        "custom_params": custom_params_for(v),
+        "custom_params": v.validate().to_custom_params(),  # the plugin reads these keys
     }
     if s.stop:
         out["stop"] = list(s.stop)

@@ -127,13 +127,13 @@ class LearnedHead:
 
 
 def load_head(path: str) -> Head:
-    """The head at `path`: a `verifier.head.save_head` directory (head.json + head.safetensors,
+    """The head at `path`: a `server.engine.head_store.save_head` directory (head.json + head.safetensors,
     the format `dialspec train` writes), or else a TorchScript file (`torch.jit.save`) for heads
     built outside dialspec. Pair checks are the caller's: the runtime knows no pair name."""
     from pathlib import Path
 
     if Path(path).is_dir():
-        from verifier.head import load_head as load_weight_head
+        from server.engine.head_store import load_head as load_weight_head
 
         return load_weight_head(path)
     head = torch.jit.load(path, map_location="cpu")

@@ -1,4 +1,4 @@
-"""Locate and integrity-check the draft/target pair shipped in the repository.
+"""Locate and integrity-check the draft/target pair shipped in the repository, and its prompts.
 
 The embedded pair is the offline default for the server and the benchmarks. Layout:
 
@@ -8,6 +8,10 @@ The embedded pair is the offline default for the server and the benchmarks. Layo
         pair.json       {"name", "num_draft", "target_params", "draft_params", ...}
         MODEL_CARD.md   sizes, data, scores, acceptance, how to reproduce
         SHA256SUMS      `<sha256>  <relative path>` for every file above except itself
+        prompts.jsonl   test-split prompts of the task suite (`dialspec pair prompts` writes it):
+                        in-distribution workloads for benchmarks and load tests, readable without
+                        importing the training package
+        head/           the learned weight head (retrained on its own schedule; not checksummed)
 
 `verify_pair()` checks every checksum before anyone loads weights, so a truncated git-lfs
 pointer, a half-written retrain or a hand-edited config fails loudly with the fix, not later as
@@ -21,9 +25,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-EMBEDDED_PAIR_DIR = Path(__file__).resolve().parent.parent / "models" / "embedded"
+EMBEDDED_PAIR_DIR = Path(__file__).resolve().parents[2] / "models" / "embedded"
 CHECKSUM_FILE = "SHA256SUMS"
 _FIX = "retrain with `dialspec pair train` or restore with `git checkout models/`"
+PROMPTS_FILE = "prompts.jsonl"
 
 
 class PairIntegrityError(RuntimeError):
@@ -94,3 +99,13 @@ def verify_pair(path: Path | str = EMBEDDED_PAIR_DIR) -> PairPaths:
             raise PairIntegrityError(f"model pair at {root} lacks {required} in {CHECKSUM_FILE}; {_FIX}")
     meta = json.loads((root / "pair.json").read_text())
     return PairPaths(target=root / "target", draft=root / "draft", name=str(meta.get("name", root.name)))
+
+
+def suite_prompts(n: int, path: Path | str = EMBEDDED_PAIR_DIR) -> list[str]:
+    """The first `n` prompts of the pair's `prompts.jsonl`, tasks interleaved (math, summary,
+    code, ...) as the file stores them."""
+    file = Path(path) / PROMPTS_FILE
+    if not file.is_file():
+        raise PairIntegrityError(f"{file} is missing; write it with `dialspec pair prompts`")
+    lines = [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [obj["prompt"] for obj in lines[:n]]

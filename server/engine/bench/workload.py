@@ -1,0 +1,65 @@
+"""The benchmark's workload: the pair's task-suite prompts, and the closed-loop engine driver."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict
+
+NUM_PROMPTS = 8  # the workload: these prompts x `waves`, identical at every concurrency
+
+
+def bench_prompts(n: int = NUM_PROMPTS) -> list[str]:
+    """Test-split prompts of the embedded task suite, tasks interleaved (math, summary, code, ...).
+
+    In-distribution for the embedded pair, so acceptance reflects the pair rather than prompts it
+    was never trained on; any pair accepts them as plain chat messages.
+    """
+    from server.engine.model_pair import suite_prompts
+
+    return suite_prompts(n)
+
+
+def engine_run(engine, prompt_ids, max_tokens, temperature, mode, weight, clients, waves=1):
+    """Closed loop: `clients` clients work through the same `len(prompt_ids) * waves` requests
+    (request i: prompt i mod P, seed i), each sending its next request when one finishes."""
+    from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
+
+    done = threading.Semaphore(0)
+    finals = []
+
+    def sink(item):
+        if isinstance(item, BaseException) or item.finish_reason is not None:
+            finals.append(item)
+            done.release()
+
+    def request(i):
+        return GenerationRequest(
+            f"bench-{i}",
+            tuple(prompt_ids[i % len(prompt_ids)]),
+            SamplingOptions(temperature=temperature, max_tokens=max_tokens, seed=i, ignore_eos=True),
+            VerifyOptions(mode=mode, weight=weight),
+        )
+
+    total = len(prompt_ids) * waves
+    sched = engine.scheduler
+    sched.timers.reset()
+    t0 = time.perf_counter()
+    sent = min(clients, total)
+    for i in range(sent):
+        engine.submit(request(i), sink)
+    for _ in range(total):
+        done.acquire()
+        if sent < total:
+            engine.submit(request(sent), sink)
+            sent += 1
+    seconds = time.perf_counter() - t0
+    errors = [f for f in finals if isinstance(f, BaseException)]
+    if errors:
+        raise errors[0]
+    stats = [f.stats for f in finals]
+    return sum(f.completion_tokens for f in finals), seconds, stats, snapshot(sched.timers)
+
+
+def snapshot(t) -> dict:
+    return {k: v for k, v in asdict(t).items() if k != "per_n"}
