@@ -15,7 +15,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from verifier.dial import POLICY_NAMES
 
@@ -63,7 +73,9 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     # dialspec extensions
-    quality: float | str | None = Field(
+    # Strict types (JSON true is not 1); the range and tier names are checked once, by
+    # verifier.dial.resolve, which names the field in its error.
+    quality: StrictFloat | StrictInt | StrictStr | None = Field(
         None,
         description="dialspec: number in [0, 1] (1 = lossless), a tier name (lite, standard, pro, exact) "
         "or 'auto' (learned head). Default: the server's default_quality (exact).",
@@ -86,15 +98,6 @@ class _Common(BaseModel):
                 raise ValueError("at most 4 stop sequences")
             if any(not s for s in value):
                 raise ValueError("stop sequences must be non-empty strings")
-        return value
-
-    @field_validator("quality", mode="before")
-    @classmethod
-    def _quality(cls, value):
-        if isinstance(value, bool):
-            raise ValueError("quality must be a number in [0, 1], a tier name or 'auto'")
-        if isinstance(value, (int, float)) and not 0.0 <= value <= 1.0:
-            raise ValueError("quality must be in [0, 1]")
         return value
 
     @model_validator(mode="after")

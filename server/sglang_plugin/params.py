@@ -23,13 +23,20 @@ No SGLang or torch import: this module is read by the launcher CLI too.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from verifier.dial import WIRE_DIAL, WIRE_MODE, WIRE_W, DialError, Verification, from_custom_params
+from verifier.dial import (
+    WIRE_DIAL,
+    WIRE_MODE,
+    WIRE_W,
+    DialError,
+    Verification,
+    check_unit,
+    from_custom_params,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,25 +53,15 @@ class PluginSettings:
     head_path: str | None = None
 
 
-def _parse_w(raw: Any) -> float | None:
-    """A valid weight, or None. Booleans are rejected (JSON true is not a weight)."""
-    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
-        return None
-    try:
-        w = float(raw)
-    except ValueError:
-        return None
-    return w if math.isfinite(w) and 0.0 <= w <= 1.0 else None
-
-
 def settings_from_env(environ: Mapping[str, str] | None = None) -> PluginSettings:
     """Read the plugin settings; a malformed default weight is a startup error, not a guess."""
     env = os.environ if environ is None else environ
     enabled = env.get(ENV_ENABLE, "").strip().lower() in ("1", "true", "yes", "on")
     raw_w = env.get(ENV_DEFAULT_W, "1.0")
-    default_w = _parse_w(raw_w)
-    if default_w is None:
-        raise ValueError(f"{ENV_DEFAULT_W}={raw_w!r}: expected a number in [0, 1]")
+    try:
+        default_w = check_unit(float(raw_w), ENV_DEFAULT_W)
+    except (ValueError, DialError):
+        raise ValueError(f"{ENV_DEFAULT_W}={raw_w!r}: expected a number in [0, 1]") from None
     return PluginSettings(enabled=enabled, default_w=default_w, head_path=env.get(ENV_HEAD_PATH) or None)
 
 
