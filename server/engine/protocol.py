@@ -92,10 +92,14 @@ class EngineInfo:
     model: str  # the pair's served name
     max_context: int  # prompt + completion tokens
     max_batch: int
-    num_draft: int  # default N
+    num_draft: int  # default N (the largest N when it is chosen per round)
     has_head: bool  # learned w_t available ("auto" quality)
     backend: str  # "embedded" or "sglang"
     auto_dial: float = DEFAULT_AUTO_DIAL  # the loaded head's default dial point (quality "auto")
+    adaptive_draft: bool = False  # N is chosen per request and round from measured costs
+    # Filled when the engine starts (JSON-ready, for /ready or a debug endpoint): the dtype and
+    # how it was chosen, the draft-length mode, the measured cost model (ms per stage).
+    runtime: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 @runtime_checkable

@@ -4,9 +4,12 @@ Terms
     seq     prompt + generated token ids so far.
     tlen    target cache length: positions of `seq` whose keys/values the target holds. Always
             `len(seq) - 1` between steps: the last token is the *pending* input of the next verify.
-    dlen    draft cache length; between steps `len(seq) - dlen` is 1, or 2 when every draft of the
-            last round was accepted (the draft never consumed its own last proposal).
-    num_draft  N for this row; 0 means autoregressive (target-only) decoding.
+    dlen    draft cache length; between steps `len(seq) - dlen` (the draft's lag) is 1, 2 when
+            every draft of the last round was accepted without a bonus step (the draft had not
+            consumed its own last proposal), or more after rounds without drafts.
+    num_draft  N for this row's next round; 0 means no drafts.
+    adaptive   N is chosen each round by the draft-length policy (`draft_length.py`); otherwise
+            `num_draft` is fixed (a per-request or engine-wide N, or 0 for autoregressive rows).
     sink    callable receiving each `GenerationChunk`, or an `Exception` that ends the stream.
 """
 
@@ -20,8 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from server.engine.detokenize import IncrementalDetokenizer, StopStringFilter
+from server.engine.draft_length import AcceptanceEstimate
 from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats
-from verifier import Policy
+from verifier import Policy, PolicyKind
 
 
 @dataclass(eq=False)
@@ -39,6 +43,8 @@ class Row:
     cancelled: bool = False
     done: bool = False
     stats: SpecStats = field(default_factory=SpecStats)
+    adaptive: bool = False
+    estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
 
     def __post_init__(self):
         s, v = self.request.sampling, self.request.verify
@@ -60,18 +66,37 @@ class Row:
         self.detok = IncrementalDetokenizer(self.tokenizer, self.seq)
         self.stopper = StopStringFilter(s.stop)
         self.stats.accepted_per_position = [0] * self.num_draft
+        self.speculative = self.adaptive or self.num_draft > 0  # the draft runs (its cache is kept)
+        # The bonus (and at N = 0 the token) is drawn from ν = w·p + (1−w)·q, which needs q.
+        self.needs_q = (
+            self.speculative
+            and self.policy.kind == PolicyKind.ENSEMBLE
+            and (self.learned or self.weight < 1.0)
+        )
 
     def uniforms(self, count: int) -> torch.Tensor:
         """Next `count` uniforms `[count]` of this row's stream (drawn on CPU for determinism)."""
         return torch.rand(count, generator=self.generator)
 
-    def record_round(self, num_accepted: int, weights: list[float]) -> None:
+    @property
+    def draft_lag(self) -> int:
+        return len(self.seq) - self.dlen if self.speculative else 0
+
+    @property
+    def prior_weight(self) -> float:
+        """w for the acceptance prior: the learned rows' mean w_t so far, else the static w."""
+        mean = self.stats.mean_weight if self.learned else None
+        return self.weight if mean is None else mean
+
+    def record_round(self, num_accepted: int, weights: list[float], n: int) -> None:
         st = self.stats
         st.verify_steps += 1
-        if self.num_draft:
+        if n:
             st.drafts += 1
-            st.draft_tokens += self.num_draft
+            st.draft_tokens += n
             st.accepted_tokens += num_accepted
+            if len(st.accepted_per_position) < n:
+                st.accepted_per_position += [0] * (n - len(st.accepted_per_position))
             for i in range(num_accepted):
                 st.accepted_per_position[i] += 1
             st.weight_sum += float(sum(weights))
