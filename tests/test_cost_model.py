@@ -27,7 +27,11 @@ def test_unmeasured_points_interpolate_over_tokens_per_forward():
     m.set("score", 8, 1, 5.0)  # M = 8
     assert m.time("score", 1, 2) == pytest.approx(2.0)  # between M = 1 and 3
     assert m.time("score", 2, 2) == pytest.approx(3.4)  # M = 4: between 3 and 8
-    assert m.time("score", 8, 2) == pytest.approx(5.0 + 0.4 * 8)  # past the largest: last slope
+    # Past the largest M: along the secant (5 - 1)/(8 - 1), never faster than proportionally.
+    assert m.time("score", 8, 2) == pytest.approx(5.0 + 8 * 4 / 7)
+    m.set("other", 1, 0, 0.5)
+    m.set("other", 2, 0, 1.5)  # two noisy neighbours: no steep line through them
+    assert m.time("other", 8, 0) == pytest.approx(1.5 * 8 / 2)
     assert m.time("draft", 1, 1) == 0.0  # nothing measured: free (the profile measures it first)
 
 

@@ -50,9 +50,8 @@ def _costs(engine, score, draft):
         model.set("draft", r, 1, draft)
         for t in range(1, engine.config.max_num_draft + 2):
             model.set("score", r, t, score(t))
-    planner.cost = model
+    planner.set_cost(model)
     planner.learn = lambda batch, out, seconds: None
-    planner._plans.clear()
     return planner
 
 

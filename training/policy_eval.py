@@ -46,6 +46,7 @@ class EvalConfig:
     alpha: float = 0.5
     seed: int = 0
     max_batch: int = 8
+    dtype: str | None = None  # None: the engine's default (float32 on CPU); "auto": measured
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ Terms
     n           the round's draft length; 0 = no drafts.
     T           new tokens per row in one forward; the target scores T = n + 1.
     M           tokens in one forward, the size the cost mostly depends on (`_size`): R·T for the
-                target, R for a draft step, R·(n + 1) for the check.
+                target, R for a draft step (and a catch-up forward over L tokens is M = L),
+                R·(n + 1) for the check.
     stages      (the stages of `server/engine/step.py`)
       draft     one draft forward of one token per row, its sampling transform and pick: t_draft(R)
       score     one target forward over T tokens per row and its transform: t_score(R, T)
@@ -19,7 +20,7 @@ Terms
 
 Profile: at engine start, within a time budget, the stages run on dummy tokens at the points
 that matter most first (batch 1 across T, then the largest batch); other points are interpolated
-over M, piecewise linearly, extrapolated linearly past the largest measured M. Online: every
+over M, piecewise linearly, and extrapolated past the largest measured M (`time`). Online: every
 round's measured stage times update their entries (a running mean, then an exponential average),
 so decisions follow the host's actual speed. A model is cached as JSON per pair shape + device +
 dtype + threads (`cache_key`), so a restart skips the profile.
@@ -71,29 +72,41 @@ class CostModel:
         self.entries: dict[tuple[str, int, int], Entry] = {}
         self.meta = dict(meta or {})
         self.updates = 0  # online observations so far (plans may cache on it)
+        self._curves: dict[str, tuple[list[int], list[float]]] = {}
 
     # -- reading ---------------------------------------------------------------------------
+    def _curve(self, kind: str) -> tuple[list[int], list[float]]:
+        """(M, seconds) of a kind's entries, sorted, entries of equal M averaged (cached)."""
+        curve = self._curves.get(kind)
+        if curve is None:
+            by_size: dict[int, list[float]] = {}
+            for (k, rr, tt), e in self.entries.items():
+                if k == kind:
+                    by_size.setdefault(_size(k, rr, tt), []).append(e.seconds)
+            sizes = sorted(by_size)
+            curve = self._curves[kind] = (sizes, [sum(by_size[m]) / len(by_size[m]) for m in sizes])
+        return curve
+
     def time(self, kind: str, r: int, t: int) -> float:
-        """Seconds of one stage; exact entries first, else interpolated over M."""
+        """Seconds of one stage; exact entries first, else interpolated over M.
+
+        Past the largest measured M the cost grows along the secant through all measured points
+        and never faster than proportionally to M: a cost has a fixed part and a per-token part,
+        and two noisy neighbours must not extrapolate to a steep line."""
         hit = self.entries.get((kind, r, t))
         if hit is not None:
             return hit.seconds
-        by_size: dict[int, list[float]] = {}
-        for (k, rr, tt), e in self.entries.items():
-            if k == kind:
-                by_size.setdefault(_size(k, rr, tt), []).append(e.seconds)
-        if not by_size:
+        sizes, values = self._curve(kind)
+        if not sizes:
             return 0.0
-        sizes = sorted(by_size)
-        values = [sum(by_size[m]) / len(by_size[m]) for m in sizes]
         m = _size(kind, r, t)
         if m <= sizes[0]:
             return values[0]
         if m >= sizes[-1]:
             if len(sizes) == 1:
                 return values[0]
-            slope = max(0.0, (values[-1] - values[-2]) / (sizes[-1] - sizes[-2]))
-            return values[-1] + slope * (m - sizes[-1])
+            slope = max(0.0, (values[-1] - values[0]) / (sizes[-1] - sizes[0]))
+            return min(values[-1] + slope * (m - sizes[-1]), values[-1] * m / sizes[-1])
         i = bisect_left(sizes, m)
         frac = (m - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
         return values[i - 1] + frac * (values[i] - values[i - 1])
@@ -112,6 +125,7 @@ class CostModel:
         if kind not in KINDS:
             raise ValueError(f"unknown stage {kind!r}; one of {KINDS}")
         self.entries[(kind, r, t)] = Entry(float(seconds), count)
+        self._curves.pop(kind, None)
 
     def observe(self, kind: str, r: int, t: int, seconds: float) -> None:
         """One measured stage time: a running mean for the first observations, then an EMA."""
@@ -122,6 +136,7 @@ class CostModel:
             return
         e.count += 1
         e.seconds += max(1.0 / e.count, _EMA) * (float(seconds) - e.seconds)
+        self._curves.pop(kind, None)
 
     def copy(self) -> CostModel:
         out = CostModel(self.meta)

@@ -17,8 +17,11 @@ Terms
               which needs the draft's q after the last proposal: one more draft step when all n
               drafts are accepted (probability β^n), always at n = 0. Rows with w = 1 (ν = p)
               and baseline policies do not.
-    lag       tokens the draft cache is behind (rows that decoded without drafts); drafting
-              again first feeds them to the draft, a cost charged to that choice.
+    lag       tokens the draft cache is behind: rows at w = 1 feed their prompt to the draft only
+              when they first draft, and fall behind while they decode without drafts. Drafting
+              (or a bonus step) first feeds the lag to the draft: `catchup`, the cost of one draft
+              forward over `lag` tokens spread over the rounds the request has left, is charged
+              to the choices that need it.
     goodput   a step's expected tokens per second, Σ_rows E(β_r, n_r) / Σ_groups round(R_g, n_g),
               one round per distinct n (the scheduler groups rows by n; `cost_model.round_time`).
 
@@ -38,7 +41,6 @@ from verifier.theory import expected_accepted_length_constant
 
 PRIOR_STRENGTH = 8.0  # the prior β counts as this many observed positions
 MARGIN = 0.03  # drafting must beat no drafting by this much (predictions err; n = 0 is the safe side)
-CATCHUP_HORIZON = 4.0  # rounds over which a lagging draft's catch-up is charged
 
 RoundTime = Callable[[int, int, float], float]  # (rows, n, expected bonus steps) -> seconds
 
@@ -55,7 +57,7 @@ class RowChoice:
     beta: float  # acceptance estimate
     needs_q: bool = False  # bonus from ν with w < 1 (see the module doc)
     fixed: int | None = None  # a per-request num_draft (or 0 for autoregressive rows): not adapted
-    lag: int = 0  # draft-cache lag in tokens
+    catchup: float = 0.0  # seconds per round charged when the draft runs for this row (see lag)
 
 
 @dataclass
@@ -95,34 +97,67 @@ class PairAgreement:
         return (self.prior_tv * self.prior_weight + self.total) / (self.prior_weight + self.count)
 
 
-def goodput(rows: Sequence[RowChoice], ns: Sequence[int], round_time: RoundTime, draft_step: float = 0.0):
-    """Expected tokens per second of one step with draft lengths `ns` (see the module doc).
-
-    `draft_step` is one draft step's seconds at batch 1, the unit of a lagging row's catch-up."""
+def goodput(rows: Sequence[RowChoice], ns: Sequence[int], round_time: RoundTime) -> float:
+    """Expected tokens per second of one step with draft lengths `ns` (see the module doc)."""
     groups: dict[int, list[RowChoice]] = {}
     for row, n in zip(rows, ns, strict=True):
         groups.setdefault(n, []).append(row)
     seconds = 0.0
     for n, group in groups.items():
-        bonus = _bonus_steps(group, n)
-        seconds += round_time(len(group), n, bonus)
-        if n:
-            seconds += sum(r.lag for r in group if r.lag > 2) * draft_step / CATCHUP_HORIZON
+        seconds += round_time(len(group), n, _bonus_steps([r.beta for r in group if r.needs_q], n))
+        seconds += sum(r.catchup for r in group if n or r.needs_q)
     tokens = sum(expected_tokens(r.beta, n) for r, n in zip(rows, ns, strict=True))
     return tokens / seconds if seconds > 0 else math.inf
 
 
-def _bonus_steps(group: Sequence[RowChoice], n: int) -> float:
+def _bonus_steps(needy_betas: Sequence[float], n: int) -> float:
     """Expected bonus draft steps of a round: P(some row that needs q accepts all n drafts)."""
-    needy = [r.beta for r in group if r.needs_q]
-    if not needy:
+    if not needy_betas:
         return 0.0
     if n == 0:
         return 1.0
     none = 1.0
-    for beta in needy:
+    for beta in needy_betas:
         none *= 1.0 - min(max(beta, 0.0), 1.0) ** n
     return 1.0 - none
+
+
+class _Search:
+    """Goodput of assignments over classes of identical rows (a batch of one tier is one class),
+    with E(β, n) precomputed: the search evaluates many assignments per step."""
+
+    def __init__(self, rows: Sequence[RowChoice], round_time: RoundTime, max_n: int):
+        self.classes: list[tuple[RowChoice, int]] = []
+        index: dict[RowChoice, int] = {}
+        self.row_class = []
+        for row in rows:
+            if row not in index:
+                index[row] = len(self.classes)
+                self.classes.append((row, 0))
+            c = index[row]
+            self.classes[c] = (row, self.classes[c][1] + 1)
+            self.row_class.append(c)
+        self.round_time = round_time
+        self.tokens = [[k * expected_tokens(r.beta, n) for n in range(max_n + 1)] for r, k in self.classes]
+
+    def goodput(self, ns: Sequence[int]) -> float:
+        """ns: one n per class."""
+        groups: dict[int, list[int]] = {}
+        for c, n in enumerate(ns):
+            groups.setdefault(n, []).append(c)
+        seconds = 0.0
+        for n, members in groups.items():
+            size, needy, catchup = 0, [], 0.0
+            for c in members:
+                row, k = self.classes[c]
+                size += k
+                if row.needs_q:
+                    needy += [row.beta] * k
+                if n or row.needs_q:
+                    catchup += k * row.catchup
+            seconds += self.round_time(size, n, _bonus_steps(needy, n)) + catchup
+        tokens = sum(self.tokens[c][n] for c, n in enumerate(ns))
+        return tokens / seconds if seconds > 0 else math.inf
 
 
 def choose(
@@ -130,44 +165,65 @@ def choose(
     round_time: RoundTime,
     max_n: int,
     margin: float = MARGIN,
-    draft_step: float = 0.0,
 ) -> list[int]:
     """Draft lengths for `rows` maximising the step's goodput; fixed rows keep theirs.
 
-    A common n for all adapted rows first (drafting only if it beats n = 0 by `margin`), then
-    single-row moves while any improves goodput; the result falls back to n = 0 for all adapted
-    rows unless it beats that by `margin`."""
-    adaptive = [i for i, r in enumerate(rows) if r.fixed is None]
-    base = [0 if r.fixed is None else r.fixed for r in rows]
-    if not adaptive:
-        return base
-
-    def score(ns):
-        return goodput(rows, ns, round_time, draft_step)
-
-    floor = score(base)
-    best, best_score = base, floor
-    for n in range(1, max_n + 1):
-        ns = [n if r.fixed is None else r.fixed for r in rows]
-        s = score(ns)
-        if s > best_score:
-            best, best_score = ns, s
-    if best_score < floor * (1 + margin):
+    Identical rows move together. A common n for all adapted rows first (drafting only if it
+    beats n = 0 by `margin`), then single-class moves while any improves goodput; the result
+    falls back to n = 0 for all adapted rows unless it beats that by `margin`."""
+    search = _Search(rows, round_time, max_n)
+    fixed = [row.fixed for row, _ in search.classes]
+    adaptive = [c for c, f in enumerate(fixed) if f is None]
+    base = [0 if f is None else f for f in fixed]
+    if adaptive:
+        floor = search.goodput(base)
         best, best_score = base, floor
-    for _ in range(2):  # single-row moves; two passes settle a batch of mixed tiers
-        moved = False
-        for i in adaptive:
-            for n in range(max_n + 1):
-                if n == best[i]:
-                    continue
-                trial = list(best)
-                trial[i] = n
-                s = score(trial)
-                if s > best_score * (1 + 1e-9):
-                    best, best_score, moved = trial, s, True
-        if not moved:
-            break
-    return best if best_score >= floor * (1 + margin) else base
+        for n in range(1, max_n + 1):
+            ns = [n if f is None else f for f in fixed]
+            score = search.goodput(ns)
+            if score > best_score:
+                best, best_score = ns, score
+        if best_score < floor * (1 + margin):
+            best, best_score = base, floor
+        for _ in range(2):  # single-class moves; two passes settle a batch of mixed tiers
+            moved = False
+            for c in adaptive:
+                for n in range(max_n + 1):
+                    if n == best[c]:
+                        continue
+                    trial = list(best)
+                    trial[c] = n
+                    score = search.goodput(trial)
+                    if score > best_score * (1 + 1e-9):
+                        best, best_score, moved = trial, score, True
+            if not moved:
+                break
+        base = best if best_score >= floor * (1 + margin) else base
+    return [base[c] for c in search.row_class]
+
+
+class RoundTable:
+    """`round_time` from a dense snapshot of a cost model (rows 1..max_batch, n 0..max_n),
+    rebuilt every `every` model updates: the search asks for hundreds of round times a step."""
+
+    def __init__(self, cost, max_batch: int, max_n: int, every: int = 16):
+        self.cost, self.max_batch, self.max_n, self.every = cost, max_batch, max_n, every
+        self.epoch = -1
+
+    def refresh(self) -> None:
+        epoch = self.cost.updates // self.every
+        if epoch == self.epoch:
+            return
+        self.epoch = epoch
+        c = self.cost
+        rs = range(1, self.max_batch + 1)
+        self.base = {r: [c.round_time(r, n) for n in range(self.max_n + 1)] for r in rs}
+        self.step = {r: c.time("draft", r, 1) for r in rs}
+
+    def __call__(self, r: int, n: int, bonus: float = 0.0) -> float:
+        if r > self.max_batch or n > self.max_n:
+            return self.cost.round_time(r, n, bonus)
+        return self.base[r][n] + bonus * self.step[r]
 
 
 class DraftPlanner:
@@ -175,36 +231,54 @@ class DraftPlanner:
     from each round (acceptance, TV̂, stage times into the cost model) and predicts round times.
 
     Rows are read duck-typed: `adaptive`, `num_draft`, `needs_q`, `estimate`, `prior_weight`,
-    `policy.kind`, `draft_lag`. Plans are cached per (rounded β, needs_q, fixed, lag) signature
-    and cost-model epoch, so steady batches do not re-run the search every step. `profile` is the
-    start-up cost model, kept unchanged to report how well it alone predicts rounds."""
+    `policy.kind`, `draft_lag`, `tokens_left`. Plans are cached per batch signature (rounded β,
+    needs_q, fixed, catch-up per row) and cost-table epoch, so steady batches do not re-run the
+    search every step. `profile` is the
+    start-up cost model, kept unchanged to report how well it alone predicts rounds. `force`
+    pins every adaptive row to one N (benchmarks sweep fixed N with it, N = 0 included)."""
 
-    def __init__(self, cost, max_n: int, margin: float = MARGIN):
+    def __init__(self, cost, max_n: int, margin: float = MARGIN, max_batch: int = 8):
         self.cost = cost
         self.profile = cost.copy()
         self.max_n = max_n
         self.margin = margin
+        self.force: int | None = None
         self.agreement = PairAgreement()
+        self.table = RoundTable(cost, max_batch, max_n)
         self._plans: dict[tuple, list[int]] = {}
+
+    def set_cost(self, cost) -> None:
+        """Decide from another cost model from now on (tests and experiments pin one)."""
+        self.cost = cost
+        self.table = RoundTable(cost, self.table.max_batch, self.max_n)
+        self._plans.clear()
 
     def row_choice(self, row) -> RowChoice:
         w = row.prior_weight if row.policy.kind == PolicyKind.ENSEMBLE else 1.0
         prior = 1.0 - w * self.agreement.tv
         fixed = None if row.adaptive else row.num_draft
-        return RowChoice(row.estimate.beta(prior), row.needs_q, fixed, row.draft_lag)
+        beta = row.estimate.beta(prior)
+        catchup = 0.0
+        if row.draft_lag > 2:  # a forward over the lag, spread over the rounds left
+            rounds_left = max(1.0, row.tokens_left / expected_tokens(beta, max(self.max_n // 2, 1)))
+            catchup = round(self.cost.time("draft", row.draft_lag, 1) / rounds_left, 5)
+        # β to 1/100: rows of one tier form one class for the search, and plans can be reused.
+        return RowChoice(round(beta, 2), row.needs_q, fixed, catchup)
 
     def assign(self, rows: Sequence) -> None:
         if not any(row.adaptive for row in rows):
             return
+        if self.force is not None:
+            for row in rows:
+                if row.adaptive:
+                    row.num_draft = self.force
+            return
         choices = [self.row_choice(row) for row in rows]
-        key = (
-            tuple((c.fixed, c.needs_q, round(c.beta * 40), min(c.lag, 3)) for c in choices),
-            self.cost.updates // 64,
-        )
+        self.table.refresh()
+        key = (tuple(choices), self.table.epoch)
         plan = self._plans.get(key)
         if plan is None:
-            step = self.cost.time("draft", 1, 1)
-            plan = choose(choices, self.cost.round_time, self.max_n, self.margin, step)
+            plan = choose(choices, self.table, self.max_n, self.margin)
             if len(self._plans) > 512:
                 self._plans.clear()
             self._plans[key] = plan
@@ -214,7 +288,8 @@ class DraftPlanner:
 
     def predict(self, rows: Sequence, n: int) -> tuple[float, float]:
         """(live model, start-up profile) predictions of one round of `rows` at draft length n."""
-        bonus = _bonus_steps([self.row_choice(row) for row in rows], n)
+        choices = [self.row_choice(row) for row in rows]
+        bonus = _bonus_steps([c.beta for c in choices if c.needs_q], n)
         return self.cost.round_time(len(rows), n, bonus), self.profile.round_time(len(rows), n, bonus)
 
     def learn(self, batch, out, seconds: dict) -> None:

@@ -181,7 +181,7 @@ class EmbeddedEngine:
             num_threads=threads,
         )
         cost = load_or_profile(models, c.max_batch, c.max_num_draft, c.profile_budget_s, cache_dir)
-        models.planner = DraftPlanner(cost, c.max_num_draft)
+        models.planner = DraftPlanner(cost, c.max_num_draft, max_batch=c.max_batch)
         self.info.runtime.update(dtype=str(c.dtype).removeprefix("torch."), device=str(device))
         self.info.runtime["draft_length"] = "adaptive" if c.num_draft is None else c.num_draft
         return models

@@ -66,13 +66,16 @@ class Row:
         self.detok = IncrementalDetokenizer(self.tokenizer, self.seq)
         self.stopper = StopStringFilter(s.stop)
         self.stats.accepted_per_position = [0] * self.num_draft
-        self.speculative = self.adaptive or self.num_draft > 0  # the draft runs (its cache is kept)
+        self.speculative = self.adaptive or self.num_draft > 0  # the draft may run for this row
         # The bonus (and at N = 0 the token) is drawn from ν = w·p + (1−w)·q, which needs q.
         self.needs_q = (
             self.speculative
             and self.policy.kind == PolicyKind.ENSEMBLE
             and (self.learned or self.weight < 1.0)
         )
+        # Prefill the draft with the prompt only if it will surely run; adaptive w = 1 rows feed it
+        # when they first draft (a row that never drafts never pays for the draft's prefill).
+        self.eager_draft = self.needs_q or (self.num_draft > 0 and not self.adaptive)
 
     def uniforms(self, count: int) -> torch.Tensor:
         """Next `count` uniforms `[count]` of this row's stream (drawn on CPU for determinism)."""
@@ -81,6 +84,10 @@ class Row:
     @property
     def draft_lag(self) -> int:
         return len(self.seq) - self.dlen if self.speculative else 0
+
+    @property
+    def tokens_left(self) -> int:
+        return self.request.sampling.max_tokens - self.completion
 
     @property
     def prior_weight(self) -> float:

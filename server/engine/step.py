@@ -340,7 +340,8 @@ def prefill(models: Models, rows: list[Row]) -> None:
     dev = models.device
     todo = [row for row in rows if len(row.seq) > 1]
     for row in rows:
-        row.tlen = row.dlen = len(row.seq) - 1
+        row.tlen = len(row.seq) - 1
+        row.dlen = row.tlen if row.eager_draft else 0  # a lazy draft catches up when it first runs
     todo.sort(key=lambda row: len(row.seq))
     while todo:
         group = [todo.pop()]  # longest first; add rows while the padded batch fits the budget
@@ -352,7 +353,7 @@ def prefill(models: Models, rows: list[Row]) -> None:
         slots = torch.tensor([row.slot for row in group], device=dev)  # [R]
         starts = torch.zeros(len(group), dtype=torch.long, device=dev)  # [R]
         models.target(tokens, slots, starts, models.target_cache)
-        spec = [i for i, row in enumerate(group) if row.speculative]
+        spec = [i for i, row in enumerate(group) if row.eager_draft]
         if spec:
             idx = torch.tensor(spec, device=dev)
             models.draft(tokens[idx], slots[idx], starts[idx], models.draft_cache)
