@@ -108,6 +108,13 @@ def test_a_lagging_draft_is_charged_its_catch_up():
     assert choose([RowChoice(0.9, True, catchup=0.05)], model.round_time, MAX_N)[0] > 0
 
 
+def test_no_drafts_past_the_end_of_a_request():
+    """Two tokens left: a round can emit at most two, so at most one draft is worth its cost."""
+    model = overhead_bound()
+    assert choose([RowChoice(1.0, True)], model.round_time, MAX_N) == [MAX_N]
+    assert choose([RowChoice(1.0, True, cap=1)], model.round_time, MAX_N) == [1]
+
+
 def test_acceptance_estimate_moves_from_prior_to_evidence():
     est = AcceptanceEstimate()
     assert est.beta(0.7) == pytest.approx(0.7)

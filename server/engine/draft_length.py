@@ -12,7 +12,8 @@ Terms
               (S·prior + Σ a_t)/(S + #t) over its tested positions t (drafts up to and including
               the first rejection), a_t the verifier's acceptance probability there (the
               conditional mean of the 0/1 outcome: same expectation, less noise), S = PRIOR_STRENGTH.
-    E(β, n)   expected tokens a round emits: 1 + β + … + β^n.
+    E(β, n)   expected tokens a round emits: 1 + β + … + β^n (n capped at the tokens the request
+              has left − 1: drafts past its end are never emitted).
     needs_q   the row draws its bonus (and, at n = 0, its only token) from ν = w·p + (1−w)·q,
               which needs the draft's q after the last proposal: one more draft step when all n
               drafts are accepted (probability β^n), always at n = 0. Rows with w = 1 (ν = p)
@@ -58,6 +59,7 @@ class RowChoice:
     needs_q: bool = False  # bonus from ν with w < 1 (see the module doc)
     fixed: int | None = None  # a per-request num_draft (or 0 for autoregressive rows): not adapted
     catchup: float = 0.0  # seconds per round charged when the draft runs for this row (see lag)
+    cap: int | None = None  # drafts past this many cannot be emitted (tokens left − 1): no gain
 
 
 @dataclass
@@ -106,8 +108,12 @@ def goodput(rows: Sequence[RowChoice], ns: Sequence[int], round_time: RoundTime)
     for n, group in groups.items():
         seconds += round_time(len(group), n, _bonus_steps([r.beta for r in group if r.needs_q], n))
         seconds += sum(r.catchup for r in group if n or r.needs_q)
-    tokens = sum(expected_tokens(r.beta, n) for r, n in zip(rows, ns, strict=True))
+    tokens = sum(expected_tokens(r.beta, _useful(r, n)) for r, n in zip(rows, ns, strict=True))
     return tokens / seconds if seconds > 0 else math.inf
+
+
+def _useful(row: RowChoice, n: int) -> int:
+    return n if row.cap is None else min(n, row.cap)
 
 
 def _bonus_steps(needy_betas: Sequence[float], n: int) -> float:
@@ -138,7 +144,9 @@ class _Search:
             self.classes[c] = (row, self.classes[c][1] + 1)
             self.row_class.append(c)
         self.round_time = round_time
-        self.tokens = [[k * expected_tokens(r.beta, n) for n in range(max_n + 1)] for r, k in self.classes]
+        self.tokens = [
+            [k * expected_tokens(r.beta, _useful(r, n)) for n in range(max_n + 1)] for r, k in self.classes
+        ]
 
     def goodput(self, ns: Sequence[int]) -> float:
         """ns: one n per class."""
@@ -262,8 +270,10 @@ class DraftPlanner:
         if row.draft_lag > 2:  # a forward over the lag, spread over the rounds left
             rounds_left = max(1.0, row.tokens_left / expected_tokens(beta, max(self.max_n // 2, 1)))
             catchup = round(self.cost.time("draft", row.draft_lag, 1) / rounds_left, 5)
-        # β to 1/100: rows of one tier form one class for the search, and plans can be reused.
-        return RowChoice(round(beta, 2), row.needs_q, fixed, catchup)
+        # Near its end a request cannot emit more than it has left; far from it, no cap, so that
+        # rows of one tier form one class for the search (β to 1/100 for the same reason).
+        cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
+        return RowChoice(round(beta, 2), row.needs_q, fixed, catchup, cap)
 
     def assign(self, rows: Sequence) -> None:
         if not any(row.adaptive for row in rows):

@@ -37,7 +37,10 @@ class SamplingOptions:
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None  # same seed + same request -> same output, batched or alone
+    # Same seed + same request -> same output, batched or alone, when N is fixed (a per-request
+    # num_draft, or an engine with a fixed N). With the adaptive draft length the output law is
+    # unchanged, but which coin lands where follows the rounds the planner chose (load, timing).
+    seed: int | None = None
     ignore_eos: bool = False  # keep going past EOS (benchmarks); explicit stop_token_ids still stop
 
 

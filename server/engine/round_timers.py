@@ -17,6 +17,7 @@ _COUNTERS = {
     "verify_forward": "verify_forwards",
     "target_forward": "target_forwards",
     "round": "rounds",
+    "prefill": "prefills",
 }
 
 
@@ -35,6 +36,8 @@ class StepTimers:
     verify_call_s: float = 0.0  # weights (head), verifier.verify, reading the results back
     round_s: float = 0.0
     rounds: int = 0
+    prefill_s: float = 0.0  # prompt prefills (outside rounds: the cost model does not predict them)
+    prefills: int = 0
     draft_tokens: int = 0  # Σ N over rounds and rows (mean N = draft_tokens / row_rounds)
     row_rounds: int = 0  # Σ rows over rounds
     # Predictions made before each round (scheduler): the live cost model, and the start-up

@@ -127,7 +127,8 @@ class Scheduler:
                 self._retire(row)
         new = self._admit()
         if new:
-            prefill(self.models, new)
+            with self.timers.phase("prefill", self.models.device):
+                prefill(self.models, new)
         live = [row for row in self._running if not row.cancelled and not row.done]
         planner = self.models.planner
         if planner is not None:

@@ -16,10 +16,11 @@ Methods (every row measured in the same run, same requests, same max_tokens, EOS
     dialspec_<tier>       the engine at a dial tier (exact, pro, standard, lite; q0 = quality 0, every
                           draft accepted) with the adaptive draft length.
     dialspec_<tier>_N<k>  the same tier with N pinned to k for every round (`--sweep`, k = 0..N_max).
-Columns: tokens/s (generated tokens / wall time, prefill included), mean N per row and round,
+Columns: tokens/s (generated tokens / wall time, prompt prefills included), decode tokens/s (the
+same without prefills), mean N per row and round,
 acceptance rate (accepted / proposed), mean accepted length (tokens per target forward), predicted
 speedup over dialspec_ar (tokens over the cost model's predicted round times, each predicted
-before its round) vs measured speedup, the cost model's round-time error (live model, and the
+before its round) vs measured (decode) speedup, the cost model's round-time error (live model, and the
 start-up profile alone), and the fraction of round time in weights + `verifier.verify`.
 Targets (issue 13, `report.check_targets`): every tier >= 0.97 x AR; adaptive >= 0.9 x the best
 fixed N; measured >= 0.9 x predicted speedup where drafting pays; AR >= HF generate and >= 50% of

@@ -22,6 +22,7 @@ class BenchRow:
     tokens: int
     seconds: float
     tokens_per_s: float
+    decode_tokens_per_s: float | None = None  # tokens / (wall − prompt prefills): what rounds did
     tier: str | None = None  # dial tier ("q0" = quality 0); None for AR and HF rows
     weight: float | None = None
     fixed_n: int | None = None  # N pinned for every round (the sweep); None = adaptive
@@ -30,7 +31,7 @@ class BenchRow:
     mean_accepted_length: float | None = None
     predicted_tokens_per_s: float | None = None  # tokens / Σ the cost model's round predictions
     predicted_speedup: float | None = None  # over engine AR, from the cost model's round times
-    measured_speedup: float | None = None
+    measured_speedup: float | None = None  # decode tok/s over engine AR's
     round_error: float | None = None  # Σ|predicted − measured| / Σ measured over rounds (live model)
     profile_round_error: float | None = None  # the same for the start-up profile alone
     verify_fraction: float | None = None  # of round time inside weights + verify + read-back
@@ -43,6 +44,7 @@ class BenchRow:
 def engine_row(method, c, tokens, seconds, stats, timers, ar: BenchRow | None, **fields) -> BenchRow:
     """A row from one engine run: speeds, acceptance, and the cost model's predictions."""
     row = BenchRow(method, c, tokens, seconds, tokens / seconds, **fields)
+    row.decode_tokens_per_s = tokens / max(seconds - timers["prefill_s"], 1e-12)
     rounds = max(timers["rounds"], 1)
     row.verify_fraction = timers["verify_call_s"] / max(timers["round_s"], 1e-12)
     row.mean_n = timers["draft_tokens"] / max(timers["row_rounds"], 1)
@@ -65,7 +67,8 @@ def engine_row(method, c, tokens, seconds, stats, timers, ar: BenchRow | None, *
         row.t_target_ms = 1e3 * timers["round_s"] / rounds
         return row
     row.t_target_ms = ar.t_target_ms
-    row.measured_speedup = row.tokens_per_s / ar.tokens_per_s
+    # Decode time on both sides: the cost model predicts rounds, not prompt prefills.
+    row.measured_speedup = row.decode_tokens_per_s / ar.decode_tokens_per_s
     if row.predicted_tokens_per_s and ar.predicted_tokens_per_s:
         row.predicted_speedup = row.predicted_tokens_per_s / ar.predicted_tokens_per_s
     return row
@@ -160,14 +163,16 @@ def to_markdown(report: dict) -> str:
     if m.get("stopped_early"):
         lines.append(f"**stopped at --max-seconds {m['max_seconds']}: {m['stopped_early']}**\n")
     lines += [
-        "| method | conc. | tok/s | mean N | acc. rate | mean acc. len | pred. speedup | meas. speedup "
-        "| round err. (live / profile) | verify frac. | t_draft ms | t_verify ms | t_target ms | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | conc. | tok/s | decode tok/s | mean N | acc. rate | mean acc. len | pred. speedup "
+        "| meas. speedup | round err. (live / profile) | verify frac. | t_draft ms | t_verify ms "
+        "| t_target ms | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         err = f"{f(r['round_error'], '.1%')} / {f(r['profile_round_error'], '.1%')}"
         lines.append(
-            f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']:.2f} | {f(r['mean_n'], '.2f')} "
+            f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']:.2f} "
+            f"| {f(r['decode_tokens_per_s'], '.2f')} | {f(r['mean_n'], '.2f')} "
             f"| {f(r['acceptance_rate'], '.3f')} | {f(r['mean_accepted_length'], '.2f')} "
             f"| {f(r['predicted_speedup'], '.2f')} | {f(r['measured_speedup'], '.2f')} | {err} "
             f"| {f(r['verify_fraction'], '.1%')} | {f(r['t_draft_ms'], '.2f')} "

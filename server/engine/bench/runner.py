@@ -252,6 +252,7 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
         "stopped_early": f"{len(skipped)} runs skipped" if skipped else None, "skipped": skipped,
         "wall_s": round(time.perf_counter() - t_start, 1),
         "protocol": "closed loop: c clients work through the same prompts x waves seeded requests "
-        "at every c; best of `trials` interleaved runs per row; EOS ignored; tok/s counts prefill",
+        "at every c; best of `trials` interleaved runs per row; EOS ignored; tok/s counts prompt "
+        "prefills, decode tok/s and the speedups do not (the cost model predicts rounds)",
     }  # fmt: skip
     return {"meta": meta, "rows": [asdict(r) for r in rows], "targets": check_targets(rows, meta)}
