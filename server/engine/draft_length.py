@@ -42,8 +42,23 @@ from verifier.theory import expected_accepted_length_constant
 
 PRIOR_STRENGTH = 8.0  # the prior β counts as this many observed positions
 MARGIN = 0.03  # drafting must beat no drafting by this much (predictions err; n = 0 is the safe side)
+# Plans are cached per batch signature, so the signature is coarse: β on a 0.05 grid (E(β, n)
+# moves < 3 % per step of it at β <= 0.9, below the noise of the costs), catch-up on a 19 % log grid.
+BETA_STEP = 0.05
+CATCHUP_STEPS_PER_DOUBLING = 4
 
 RoundTime = Callable[[int, int, float], float]  # (rows, n, expected bonus steps) -> seconds
+
+
+def _grid(beta: float) -> float:
+    return round(round(beta / BETA_STEP) * BETA_STEP, 4)
+
+
+def _log_grid(seconds: float) -> float:
+    if seconds <= 0:
+        return 0.0
+    k = CATCHUP_STEPS_PER_DOUBLING
+    return float(f"{2.0 ** (round(k * math.log2(seconds)) / k):.4g}")
 
 
 def expected_tokens(beta: float, n: int) -> float:
@@ -130,40 +145,44 @@ def _bonus_steps(needy_betas: Sequence[float], n: int) -> float:
 
 class _Search:
     """Goodput of assignments over classes of identical rows (a batch of one tier is one class),
-    with E(β, n) precomputed: the search evaluates many assignments per step."""
+    with E(β, n) and each class's factor of P(no bonus step) precomputed: the search evaluates
+    many assignments per step, each in one pass over the classes."""
 
     def __init__(self, rows: Sequence[RowChoice], round_time: RoundTime, max_n: int):
-        self.classes: list[tuple[RowChoice, int]] = []
-        index: dict[RowChoice, int] = {}
+        counts: dict[RowChoice, int] = {}
         self.row_class = []
         for row in rows:
-            if row not in index:
-                index[row] = len(self.classes)
-                self.classes.append((row, 0))
-            c = index[row]
-            self.classes[c] = (row, self.classes[c][1] + 1)
-            self.row_class.append(c)
+            if row not in counts:
+                counts[row] = 0
+            counts[row] += 1
+        index = {row: c for c, row in enumerate(counts)}
+        self.row_class = [index[row] for row in rows]
+        self.classes: list[tuple[RowChoice, int]] = list(counts.items())
         self.round_time = round_time
-        self.tokens = [
-            [k * expected_tokens(r.beta, _useful(r, n)) for n in range(max_n + 1)] for r, k in self.classes
+        ns = range(max_n + 1)
+        self.tokens = [[k * expected_tokens(r.beta, _useful(r, n)) for n in ns] for r, k in self.classes]
+        # P(none of the class's k rows accepts all n drafts) = (1 − β^n)^k; n = 0 always steps.
+        self.no_bonus = [
+            [(1.0 - min(max(r.beta, 0.0), 1.0) ** n) ** k if n else 0.0 for n in ns] for r, k in self.classes
         ]
 
     def goodput(self, ns: Sequence[int]) -> float:
         """ns: one n per class."""
-        groups: dict[int, list[int]] = {}
+        groups: dict[int, list] = {}  # n -> [rows, P(no bonus step), any row needs q, catch-up s]
         for c, n in enumerate(ns):
-            groups.setdefault(n, []).append(c)
+            row, k = self.classes[c]
+            g = groups.get(n)
+            if g is None:
+                g = groups[n] = [0, 1.0, False, 0.0]
+            g[0] += k
+            if row.needs_q:
+                g[1] *= self.no_bonus[c][n]
+                g[2] = True
+            if n or row.needs_q:
+                g[3] += k * row.catchup
         seconds = 0.0
-        for n, members in groups.items():
-            size, needy, catchup = 0, [], 0.0
-            for c in members:
-                row, k = self.classes[c]
-                size += k
-                if row.needs_q:
-                    needy += [row.beta] * k
-                if n or row.needs_q:
-                    catchup += k * row.catchup
-            seconds += self.round_time(size, n, _bonus_steps(needy, n)) + catchup
+        for n, (size, none, needy, catchup) in groups.items():
+            seconds += self.round_time(size, n, 1.0 - none if needy else 0.0) + catchup
         tokens = sum(self.tokens[c][n] for c, n in enumerate(ns))
         return tokens / seconds if seconds > 0 else math.inf
 
@@ -212,9 +231,11 @@ def choose(
 
 class RoundTable:
     """`round_time` from a dense snapshot of a cost model (rows 1..max_batch, n 0..max_n),
-    rebuilt every `every` model updates: the search asks for hundreds of round times a step."""
+    rebuilt every `every` model updates (about 4 per round, so every ~16 rounds: the model moves
+    slowly, and a rebuild also drops the cached plans): the search asks for hundreds of round
+    times a step."""
 
-    def __init__(self, cost, max_batch: int, max_n: int, every: int = 16):
+    def __init__(self, cost, max_batch: int, max_n: int, every: int = 64):
         self.cost, self.max_batch, self.max_n, self.every = cost, max_batch, max_n, every
         self.epoch = -1
 
@@ -269,11 +290,11 @@ class DraftPlanner:
         catchup = 0.0
         if row.draft_lag > 2:  # a forward over the lag, spread over the rounds left
             rounds_left = max(1.0, row.tokens_left / expected_tokens(beta, max(self.max_n // 2, 1)))
-            catchup = round(self.cost.time("draft", row.draft_lag, 1) / rounds_left, 5)
+            catchup = _log_grid(self.cost.time("draft", row.draft_lag, 1) / rounds_left)
         # Near its end a request cannot emit more than it has left; far from it, no cap, so that
-        # rows of one tier form one class for the search (β to 1/100 for the same reason).
+        # rows of one tier form one class for the search (β on a grid for the same reason).
         cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
-        return RowChoice(round(beta, 2), row.needs_q, fixed, catchup, cap)
+        return RowChoice(_grid(beta), row.needs_q, fixed, catchup, cap)
 
     def assign(self, rows: Sequence) -> None:
         if not any(row.adaptive for row in rows):

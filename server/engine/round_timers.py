@@ -18,6 +18,7 @@ _COUNTERS = {
     "target_forward": "target_forwards",
     "round": "rounds",
     "prefill": "prefills",
+    "plan": "plans",
 }
 
 
@@ -38,6 +39,8 @@ class StepTimers:
     rounds: int = 0
     prefill_s: float = 0.0  # prompt prefills (outside rounds: the cost model does not predict them)
     prefills: int = 0
+    plan_s: float = 0.0  # the draft-length planner's decisions, once per step (outside rounds)
+    plans: int = 0
     draft_tokens: int = 0  # Σ N over rounds and rows (mean N = draft_tokens / row_rounds)
     row_rounds: int = 0  # Σ rows over rounds
     # Predictions made before each round (scheduler): the live cost model, and the start-up

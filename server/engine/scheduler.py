@@ -132,7 +132,8 @@ class Scheduler:
         live = [row for row in self._running if not row.cancelled and not row.done]
         planner = self.models.planner
         if planner is not None:
-            planner.assign(live)
+            with self.timers.phase("plan", self.models.device):
+                planner.assign(live)
         groups: dict[int, list[Row]] = {}
         for row in live:
             groups.setdefault(row.num_draft, []).append(row)
