@@ -18,7 +18,7 @@ def test_bench_engine_quick_writes_every_row(tiny_pair, tmp_path):
     report = json.loads((out / "engine.json").read_text())
     md = (out / "engine.md").read_text()
     tiers = ["exact", "lite"]
-    methods = ["hf_generate", "dialspec_ar"] + [f"dialspec_{t}" for t in tiers]
+    methods = ["hf_generate", "dialspec_ar", "dialspec_ar_control"] + [f"dialspec_{t}" for t in tiers]
     methods += [f"dialspec_{t}_N{n}" for t in tiers for n in range(3)]
     got = {(r["method"], r["concurrency"]) for r in report["rows"]}
     # HF assisted generation is batch-1 only: measured once, at c = 1.
@@ -35,8 +35,8 @@ def test_bench_engine_quick_writes_every_row(tiny_pair, tmp_path):
             assert r["round_error"] is not None and 0 <= r["verify_fraction"] <= 1
         assert f"| {r['method']} | {r['concurrency']} |" in md
     names = " ".join(report["targets"])
-    parts = ("exact / AR, c=1", "adaptive / best fixed N", "AR / HF generate", "round-time")
-    assert all(part in names for part in parts)
+    parts = ("exact / AR, c=1", "adaptive / best fixed N", "AR / HF generate", "mean round time")
+    assert all(part in names for part in parts) and "noise: AR control / AR, c=1" in names
     meta = report["meta"]
     assert meta["cost_model"]["target_ms"] and meta["bandwidth"]["limit_tokens_per_s"] > 0
     assert meta["dtype"] in ("float32", "bfloat16") and meta["dtype_choice"]["dtype"] == meta["dtype"]
@@ -58,6 +58,10 @@ def test_bench_engine_user_mistakes_are_cli_errors(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
     assert main(["bench", "engine", "--tiers", "exact,bogus"]) == 2
     assert "bogus" in capsys.readouterr().err
+    assert main(["bench", "engine", "--sweep", "0,x"]) == 2
+    assert "--sweep takes Ns" in capsys.readouterr().err
+    assert main(["bench", "engine", "--sweep", "2,9", "--max-num-draft", "8"]) == 2
+    assert "0..--max-num-draft (8)" in capsys.readouterr().err
 
 
 def test_bench_engine_device_mistakes_are_cli_errors(tiny_pair, capsys):

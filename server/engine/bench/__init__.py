@@ -13,18 +13,21 @@ Methods (every row measured in the same run, same requests, same max_tokens, EOS
                           otherwise). HF supports batch size 1 only: measured sequentially at c = 1.
     hf_assisted_w0.5      the same with `assistant_ensemble_weight=0.5` (installed transformers has it).
     dialspec_ar           the embedded engine, target only (autoregressive requests, no draft at all).
+    dialspec_ar_control   the same again, interleaved: its ratio to dialspec_ar is the run's noise.
     dialspec_<tier>       the engine at a dial tier (exact, pro, standard, lite; q0 = quality 0, every
                           draft accepted) with the adaptive draft length.
-    dialspec_<tier>_N<k>  the same tier with N pinned to k for every round (`--sweep`, k = 0..N_max).
+    dialspec_<tier>_N<k>  the same tier with N pinned to k for every round (`--sweep`: k = 0..N_max,
+                          or `--sweep 0,2,4,8` for some).
 Columns: tokens/s (generated tokens / wall time, prompt prefills included), decode tokens/s (the
 same without prefills), mean N per row and round,
 acceptance rate (accepted / proposed), mean accepted length (tokens per target forward), predicted
 speedup over dialspec_ar (tokens over the cost model's predicted round times, each predicted
-before its round) vs measured (decode) speedup, the cost model's round-time error (live model, and the
-start-up profile alone), and the fraction of round time in weights + `verifier.verify`.
+before its round) vs measured (decode) speedup, the cost model's bias on the mean round time and its
+per-round error (live model, and the start-up profile alone), the fraction of round time in weights +
+`verifier.verify`, and the planner's time per step; every trial's tokens/s is in the JSON.
 Targets (issue 13, `report.check_targets`): every tier >= 0.97 x AR; adaptive >= 0.9 x the best
 fixed N; measured >= 0.9 x predicted speedup where drafting pays; AR >= HF generate and >= 50% of
-the memory-bandwidth limit; round-time prediction error <= 15%.
+the memory-bandwidth limit; the mean round time of every row predicted within 15%.
 """
 
 from __future__ import annotations

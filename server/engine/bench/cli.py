@@ -42,7 +42,10 @@ def register(subparsers) -> None:
         default=",".join(TIERS),
         help=f"dial tiers to run ('q0' = quality 0; default {','.join(TIERS)})",
     )
-    p.add_argument("--sweep", action="store_true", help="also every fixed N in 0..--max-num-draft per tier")
+    p.add_argument(
+        "--sweep", nargs="?", const="all", default=None, metavar="NS",
+        help="also run each tier at fixed N: every N in 0..--max-num-draft, or those listed (0,2,4,8)",
+    )  # fmt: skip
     p.add_argument("--max-num-draft", type=int, default=8, help="largest N (adaptive and sweep; default 8)")
     p.add_argument("--max-seconds", type=float, default=None, help="stop starting runs after this long")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -61,6 +64,21 @@ def register(subparsers) -> None:
     )  # fmt: skip
     p.add_argument("--out", default="bench-results", help="output directory")
     p.set_defaults(func=_main)
+
+
+def _sweep(args) -> tuple[int, ...]:
+    if args.sweep is None:
+        return ()
+    if args.sweep == "all":
+        return tuple(range(args.max_num_draft + 1))
+    try:
+        ns = tuple(sorted({int(x) for x in args.sweep.split(",") if x.strip()}))
+    except ValueError as exc:
+        raise CLIError(f"--sweep takes Ns like 0,2,4,8 (or nothing for all), got {args.sweep!r}") from exc
+    if not ns or min(ns) < 0 or max(ns) > args.max_num_draft:
+        bound = f"0..--max-num-draft ({args.max_num_draft})"
+        raise CLIError(f"--sweep Ns must lie in {bound}, got {args.sweep!r}")
+    return ns
 
 
 def _validate(args) -> tuple[tuple[int, ...], tuple[str, ...], str, str]:
@@ -98,6 +116,7 @@ def _main(args) -> int:
     from rich.progress import Progress
 
     conc, tiers, target, draft = _validate(args)
+    sweep = _sweep(args)
     import torch
 
     try:
@@ -110,7 +129,7 @@ def _main(args) -> int:
     with Progress() as progress:
         report = run_bench(
             target, draft, progress, concurrency=conc, max_tokens=max_tokens, prompts=prompts,
-            waves=args.waves, trials=trials, tiers=tiers, sweep=args.sweep,
+            waves=args.waves, trials=trials, tiers=tiers, sweep=sweep,
             max_num_draft=args.max_num_draft, temperature=args.temperature, include_hf=not args.no_hf,
             include_hf_assisted=not args.no_hf_assisted, device=str(device), dtype=args.dtype,
             max_seconds=args.max_seconds, cache_dir=args.cache_dir,

@@ -37,7 +37,7 @@ class BenchConfig:
     waves: int = 1  # passes over the prompt list
     trials: int = 2  # interleaved repeats; the fastest is kept
     tiers: tuple[str, ...] = TIERS
-    sweep: bool = False  # also every fixed N in 0..max_num_draft per tier
+    sweep: tuple[int, ...] = ()  # fixed Ns also run per tier (pinned through the planner)
     max_num_draft: int = 8
     temperature: float = 1.0
     include_hf: bool = True
@@ -52,12 +52,13 @@ class BenchConfig:
         """(method, tier, Verification, fixed N or None) for the embedded engine rows."""
         from verifier.dial import Verification
 
-        plan = [("dialspec_ar", None, Verification(mode="autoregressive"), 0)]
+        ar = Verification(mode="autoregressive")
+        # AR twice: the control's ratio to AR is this run's noise floor for every other ratio.
+        plan = [("dialspec_ar", None, ar, 0), ("dialspec_ar_control", None, ar, 0)]
         for tier in self.tiers:
             v = tier_verification(tier)
             plan.append((f"dialspec_{tier}", tier, v, None))
-            if self.sweep:
-                plan += [(f"dialspec_{tier}_N{n}", tier, v, n) for n in range(self.max_num_draft + 1)]
+            plan += [(f"dialspec_{tier}_N{n}", tier, v, n) for n in self.sweep]
         return plan
 
     def hf_plan(self, c: int) -> list[str]:
@@ -68,15 +69,18 @@ class BenchConfig:
 
 
 class Best:
-    """The fastest trial per (method, concurrency): (tokens, seconds, ...) tuples."""
+    """The fastest trial per (method, concurrency): (tokens, seconds, ...) tuples; and every
+    trial's tokens/s (`rates`), so reports show the spread the best was picked from."""
 
     def __init__(self, progress=None, total: int = 0):
         self.runs: dict[tuple[str, int], tuple] = {}
+        self.rates: dict[tuple[str, int], list[float]] = {}
         self.progress = progress
         self.task = progress.add_task("bench engine", total=total) if progress else None
         self.requests = progress.add_task("requests", total=None) if progress else None
 
     def keep(self, key: tuple[str, int], result: tuple) -> None:
+        self.rates.setdefault(key, []).append(round(result[0] / result[1], 3))
         old = self.runs.get(key)
         if old is None or result[0] / result[1] > old[0] / old[1]:
             self.runs[key] = result
@@ -111,6 +115,7 @@ def _rows(cfg: BenchConfig, best: Best) -> list[BenchRow]:
             weight = None if tier is None else v.weight
             extra = {"tier": tier, "weight": weight, "fixed_n": None if tier is None else fixed}
             row = engine_row(method, c, *best.runs[(method, c)], ar, **extra)
+            row.trial_tokens_per_s = best.rates[(method, c)]
             if method == "dialspec_ar":
                 ar = row
             rows.append(row)
@@ -120,6 +125,7 @@ def _rows(cfg: BenchConfig, best: Best) -> list[BenchRow]:
                 tokens, secs = best.runs[(method, c)]
                 note = "" if method == "hf_generate" else "batch 1 only (sequential)"
                 rows.append(BenchRow(method, c, tokens, secs, tokens / secs, note=note))
+                rows[-1].trial_tokens_per_s = best.rates[(method, c)]
     return rows
 
 
@@ -215,12 +221,12 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
         engine_run(engine, prompt_ids[:2], 2, cfg.temperature, warm, clients=2)  # warm-up
         for _ in range(cfg.trials):
             for c in cfg.concurrency:
-                for method, _tier, verify, fixed in cfg.engine_plan():
+                for method, tier, verify, fixed in cfg.engine_plan():
                     if deadline is not None and time.perf_counter() > deadline:
                         skipped.append(f"{method} c={c}")
                         continue
                     best.describe(f"{method} c={c}")
-                    planner.force = fixed if method != "dialspec_ar" else None
+                    planner.force = fixed if tier is not None else None
                     result = engine_run(
                         engine, prompt_ids, cfg.max_tokens, cfg.temperature, verify, c, cfg.waves,
                         on_request=best.request_done,
