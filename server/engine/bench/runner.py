@@ -78,14 +78,22 @@ class Best:
         self.progress = progress
         self.task = progress.add_task("bench engine", total=total) if progress else None
         self.requests = progress.add_task("requests", total=None) if progress else None
+        # Not a terminal (a log file, a CI or GPU-node job): one printed line per run instead.
+        self.lines = progress is not None and not progress.console.is_terminal
+        self.done, self.total, self.t0 = 0, total, time.perf_counter()
 
     def keep(self, key: tuple[str, int], result: tuple) -> None:
         self.rates.setdefault(key, []).append(round(result[0] / result[1], 3))
         old = self.runs.get(key)
         if old is None or result[0] / result[1] > old[0] / old[1]:
             self.runs[key] = result
+        self.done += 1
         if self.progress:
             self.progress.advance(self.task)
+        if self.lines:
+            rate, elapsed = result[0] / result[1], time.perf_counter() - self.t0
+            run = f"{self.done}/{self.total} [{elapsed:.0f} s] {key[0]} c={key[1]}"
+            print(f"bench engine {run}: {rate:.2f} tok/s", flush=True)
 
     def describe(self, text: str) -> None:
         if self.progress:
