@@ -13,7 +13,8 @@ dialspec extensions (top level; the `openai` client's `extra_body` puts them the
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -27,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from server.engine.protocol import MAX_TOP_K, MIN_TOP_P, SEED_RANGE
 from verifier.dial import POLICY_NAMES
 
 # field -> value(s) that are the same as not sending it (accepted and ignored)
@@ -56,19 +58,32 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
 class _Common(BaseModel):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions. Numbers are strict (JSON true is not 1 and
+    "2" is not 2); `request_models` narrows the limits that depend on the engine and settings."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1, max_length=256)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)  # vLLM/SGLang extension; 0 = off
-    n: int = Field(1, ge=1, le=128)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True, allow_inf_nan=False)
+    top_p: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        strict=True,
+        allow_inf_nan=False,
+        description=f"values below {MIN_TOP_P} keep only the most likely token, as {MIN_TOP_P} does",
+    )
+    top_k: StrictInt | None = Field(
+        None, ge=0, le=MAX_TOP_K, description="vLLM/SGLang extension; 0 = off, >= vocabulary size = off"
+    )
+    n: StrictInt = Field(1, ge=1)
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=4)] | None = None
+    seed: StrictInt | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
@@ -86,19 +101,13 @@ class _Common(BaseModel):
     mode: Literal["speculative", "autoregressive"] | None = Field(
         None, description="dialspec: 'autoregressive' runs the target alone (speed baseline)"
     )
-    num_draft: int | None = Field(None, ge=1, le=64, description="dialspec: draft length N for this request")
+    # The range is the engine's (EngineInfo.num_draft_limit), checked by verifier.dial.
+    num_draft: StrictInt | None = Field(None, description="dialspec: draft length N for this request")
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, value):
-        if isinstance(value, str):
-            value = [value]
-        if value is not None:
-            if len(value) > 4:
-                raise ValueError("at most 4 stop sequences")
-            if any(not s for s in value):
-                raise ValueError("stop sequences must be non-empty strings")
-        return value
+        return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -130,24 +139,23 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+
+    def prompt_count(self) -> int:
+        return 1
+
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
 class CompletionRequest(_Common):
     # A string, token ids, or a batch of either (each prompt gets n choices).
-    prompt: str | list[str] | list[int] | list[list[int]]
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, value):
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("prompt must not be empty")
-            if isinstance(value[0], list) and any(not p for p in value):
-                raise ValueError("token-id prompts must not be empty")
-            if isinstance(value[0], int) and any(t < 0 for t in value):
-                raise ValueError("token ids must be non-negative")
-        return value
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str):
@@ -155,6 +163,90 @@ class CompletionRequest(_Common):
         if isinstance(self.prompt[0], int):
             return [list(self.prompt)]
         return list(self.prompt)
+
+    def prompt_count(self) -> int:
+        return 1 if isinstance(self.prompt, str) or isinstance(self.prompt[0], int) else len(self.prompt)
+
+
+_ChatBase, _CompletionBase = ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What this server accepts, published in its OpenAPI document and enforced by the same
+    models (`request_models`)."""
+
+    max_n: int = 4  # choices per request: n x prompts
+    max_num_draft: int = 8  # the engine's largest per-request N
+    max_tokens: int | None = None  # the context window minus one prompt token
+    vocab_size: int | None = None  # token ids lie in [0, vocab_size)
+    models: tuple[str, ...] = ()  # served model names
+    tiers: tuple[str, ...] = ()  # quality tier names (and 'auto' with a head)
+
+
+def request_models(lim: Limits) -> tuple[type[ChatCompletionRequest], type[CompletionRequest]]:
+    """Chat and completion request models narrowed to `lim`: what the schema says is what they
+    validate. The dial's own fields keep their checks in verifier.dial; their documented ranges
+    here (quality, num_draft) are the same numbers."""
+    max_id = None if lim.vocab_size is None else lim.vocab_size - 1
+    ids = Annotated[StrictInt, Field(ge=0, le=max_id)]
+    models = {"enum": list(lim.models)} if lim.models else {}
+    quality_doc = {
+        "anyOf": [
+            {"type": "number", "minimum": 0, "maximum": 1},
+            {"type": "string", "enum": list(lim.tiers)} if lim.tiers else {"type": "string"},
+            {"type": "null"},
+        ]
+    }
+    num_draft_doc = {
+        "anyOf": [{"type": "integer", "minimum": 1, "maximum": lim.max_num_draft}, {"type": "null"}]
+    }
+
+    class _Limited(_Common):
+        model: str = Field(
+            min_length=1,
+            max_length=256,
+            json_schema_extra=models,
+            description="a served name (GET /v1/models); others are answered 404 model_not_found",
+        )
+        max_tokens: StrictInt | None = Field(None, ge=1, le=lim.max_tokens)
+        n: StrictInt = Field(1, ge=1, le=lim.max_n, description=f"choices x prompts must be <= {lim.max_n}")
+        quality: StrictFloat | StrictInt | StrictStr | None = Field(
+            None,
+            description=_Common.model_fields["quality"].description,
+            json_schema_extra=_replace_schema(quality_doc),
+        )
+        num_draft: StrictInt | None = Field(
+            None,
+            description="dialspec: draft length N for this request",
+            json_schema_extra=_replace_schema(num_draft_doc),
+        )
+
+    class ChatCompletionRequest(_Limited, _ChatBase):
+        max_completion_tokens: StrictInt | None = Field(None, ge=1, le=lim.max_tokens)
+
+    class CompletionRequest(_Limited, _CompletionBase):
+        prompt: (
+            NonEmptyStr
+            | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=lim.max_n)]
+            | Annotated[list[ids], Field(min_length=1)]
+            | Annotated[
+                list[Annotated[list[ids], Field(min_length=1)]], Field(min_length=1, max_length=lim.max_n)
+            ]
+        )
+
+    return ChatCompletionRequest, CompletionRequest
+
+
+def _replace_schema(doc: dict):
+    """A json_schema_extra that swaps the generated type for `doc`, keeping title and description."""
+
+    def update(schema: dict) -> None:
+        for key in ("anyOf", "type", "enum", "minimum", "maximum"):
+            schema.pop(key, None)
+        schema.update(doc)
+
+    return update
 
 
 # ---- responses (documented in the OpenAPI schema; handlers build plain dicts of this shape) ----
@@ -225,6 +317,16 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready"] = "ready"
+    model: str
+    backend: str
+    max_context: int
+    num_draft: int
+    has_head: bool
+    load: dict[str, int] = Field(description="running: sequences decoding; waiting: queued in the engine")
 
 
 class ErrorDetail(BaseModel):
