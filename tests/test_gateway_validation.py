@@ -79,7 +79,7 @@ BAD = [
     ("n x prompts over max_n", COMP, {"model": MODEL, "prompt": ["a", "b", "c"], "n": 2}, 400, "n"),
     ("seed bool", CHAT, chat(seed=False), 400, "seed"),
     ("seed float", CHAT, chat(seed=1.5), 400, "seed"),
-    ("seed over uint64", CHAT, chat(seed=2**64), 400, "seed"),
+    ("seed past JSON's safe integers", CHAT, chat(seed=2**53), 400, "seed"),
     ("n bool", CHAT, chat(n=True), 400, "n"),
     ("max_tokens bool", CHAT, chat(max_tokens=True), 400, "max_tokens"),
     ("temperature bool", CHAT, chat(temperature=True), 400, "temperature"),

@@ -23,7 +23,9 @@ from server.gateway import errors, openapi
 from server.gateway.errors import APIError
 from server.gateway.middleware import DOCS_PATHS, GuardMiddleware
 from server.gateway.schemas import (
+    ChatCompletionChunk,
     ChatCompletionResponse,
+    CompletionChunk,
     CompletionResponse,
     Limits,
     ModelCard,
@@ -97,13 +99,17 @@ def create_app(
     @app.post(
         "/v1/chat/completions",
         response_model=ChatCompletionResponse,
-        responses=openapi.generation_responses(),
+        responses=openapi.generation_responses(ChatCompletionChunk),
     )
     async def chat_completions(body: chat_request, request: Request):
         """Chat completion; `stream: true` answers with server-sent `chat.completion.chunk`s."""
         return await gw.handle("chat", body, request)
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=openapi.generation_responses())
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses=openapi.generation_responses(CompletionChunk),
+    )
     async def completions(body: completion_request, request: Request):
         """Text completion; `stream: true` answers with server-sent `text_completion` chunks."""
         return await gw.handle("completion", body, request)

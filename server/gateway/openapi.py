@@ -16,14 +16,35 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from server.gateway.schemas import ErrorResponse
+from server.gateway.schemas import ChatCompletionChunk, CompletionChunk, ErrorResponse
 
-SSE_DOC = {
-    "description": "`data: {chunk}` events (chat.completion.chunk / text_completion), an error event "
-    '`data: {"error": {...}}` if generation fails or the server shuts down mid-stream, then '
-    "`data: [DONE]`",
-    "schema": {"type": "string"},
-}
+_REF = "#/components/schemas/{model}"
+
+
+def sse_doc(chunk: type) -> dict:
+    """`text/event-stream`: the schema of one event (OpenAPI 3.1 reads `schema` per event)."""
+    payload = {
+        "anyOf": [{"$ref": _REF.format(model=chunk.__name__)}, {"$ref": _REF.format(model="ErrorResponse")}]
+    }
+    data = {
+        "description": "a chunk; an error object if generation fails or the server shuts down "
+        "mid-stream; then the literal [DONE]",
+        "anyOf": [
+            {"const": "[DONE]"},
+            {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
+        ],
+    }
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+            "data": data,
+        },
+    }
+    return {"schema": event}
 
 
 def error_responses(*statuses: int) -> dict:
@@ -39,9 +60,12 @@ def error_responses(*statuses: int) -> dict:
     return {s: {"model": ErrorResponse, "description": meaning[s]} for s in statuses}
 
 
-def generation_responses() -> dict:
+def generation_responses(chunk: type) -> dict:
     out = error_responses(400, 404, 413, 429, 500, 503)
-    out[200] = {"content": {"text/event-stream": SSE_DOC}, "description": "the completion (or its stream)"}
+    out[200] = {
+        "content": {"text/event-stream": sse_doc(chunk)},
+        "description": "the completion, or its events",
+    }
     return out
 
 
@@ -61,6 +85,10 @@ def install(app: FastAPI, *, auth: bool, protected: tuple[str, ...]) -> None:
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
+        for model in (ChatCompletionChunk, CompletionChunk):  # referenced by the SSE documents only
+            chunk = model.model_json_schema(ref_template=_REF)
+            schemas.update(chunk.pop("$defs", {}))
+            schemas[model.__name__] = chunk
         if auth:
             doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, ops in doc["paths"].items():

@@ -16,8 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+from annotated_types import Ge, Le
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -27,8 +29,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
-from server.engine.protocol import MAX_TOP_K, MIN_TOP_P, SEED_RANGE
+from server.engine.protocol import MAX_TOP_K, MIN_TOP_P
 from verifier.dial import POLICY_NAMES
 
 # field -> value(s) that are the same as not sending it (accepted and ignored)
@@ -54,21 +57,81 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+# Cross-field rules the validators enforce, stated in the JSON schema (`allOf` of if/then):
+# what `_Common._unsupported` checks: stream_options needs stream true.
+STREAM_RULE = {
+    "if": {"properties": {"stream_options": {"type": "object"}}, "required": ["stream_options"]},
+    "then": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+}
+
+
+def _json_equal(a, b) -> bool:
+    """Equality as JSON means it: false is not 0."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    return a == b
+
+
+def _add_rules(schema: dict, *rules: dict) -> None:
+    """The schema's extras: cross-field rules, and the unsupported fields with their neutral values."""
+    schema.setdefault("allOf", []).extend(rules)
+    for name, neutral in UNSUPPORTED.items():
+        values = [v for i, v in enumerate(neutral) if not any(_json_equal(v, w) for w in neutral[:i])]
+        schema["properties"][name] = {
+            "enum": values,
+            "description": "not supported: accepted only with a value that means 'off' (others get 400)",
+        }
+
+
+def choice_rules(max_choices: int) -> list[dict]:
+    """n x prompts <= max_choices (prepare.plan): with k >= 2 prompts (an array of strings or of
+    token-id arrays), n <= max_choices // k."""
+    batch = {"type": "array", "items": {"type": ["string", "array"]}}
+    return [
+        {
+            "if": {"properties": {"prompt": {**batch, "minItems": k}}, "required": ["prompt"]},
+            "then": {"properties": {"n": {"maximum": max_choices // k}}},
+        }
+        for k in range(2, max_choices + 1)
+    ]
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+def _integer_only(value):
+    # JSON Schema's "integer" admits 59.0 (the lax int below does too, and refuses 59.5), but
+    # true is not 1 and "59" is not 59.
+    if isinstance(value, (bool, str)):
+        kind = {"kind": type(value).__name__}
+        raise PydanticCustomError("int_type", "Input should be an integer, not {kind}", kind)
+    return value
+
+
+def json_int(ge: int | None = None, le: int | None = None):
+    """An integer field type in [ge, le] (the bounds sit inside, before the validator, so that
+    the JSON schema says minimum/maximum)."""
+    bounds = [b for b in (None if ge is None else Ge(ge), None if le is None else Le(le)) if b is not None]
+    return Annotated[(int, *bounds, BeforeValidator(_integer_only))]
+
+
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+# JSON's interoperable integers (RFC 8259, section 6): past them, clients and validators that read
+# numbers as doubles round, and would see 2^63 + 192 as an allowed 2^63.
+JSON_SAFE_INT = 2**53 - 1
 
 
 class _Common(BaseModel):
     """Fields shared by chat and text completions. Numbers are strict (JSON true is not 1 and
     "2" is not 2); `request_models` narrows the limits that depend on the engine and settings."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(
+        extra="allow", json_schema_extra=lambda schema, _cls: _add_rules(schema, STREAM_RULE)
+    )
 
     model: str = Field(min_length=1, max_length=256)
-    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: json_int(ge=1) | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True, allow_inf_nan=False)
     top_p: float | None = Field(
         None,
@@ -78,12 +141,12 @@ class _Common(BaseModel):
         allow_inf_nan=False,
         description=f"values below {MIN_TOP_P} keep only the most likely token, as {MIN_TOP_P} does",
     )
-    top_k: StrictInt | None = Field(
-        None, ge=0, le=MAX_TOP_K, description="vLLM/SGLang extension; 0 = off, >= vocabulary size = off"
+    top_k: json_int(ge=0, le=MAX_TOP_K) | None = Field(
+        None, description="vLLM/SGLang extension; 0 = off, >= vocabulary size = off"
     )
-    n: StrictInt = Field(1, ge=1)
+    n: json_int(ge=1) = 1
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=4)] | None = None
-    seed: StrictInt | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    seed: json_int(-JSON_SAFE_INT, JSON_SAFE_INT) | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
@@ -102,7 +165,7 @@ class _Common(BaseModel):
         None, description="dialspec: 'autoregressive' runs the target alone (speed baseline)"
     )
     # The range is the engine's (EngineInfo.num_draft_limit), checked by verifier.dial.
-    num_draft: StrictInt | None = Field(None, description="dialspec: draft length N for this request")
+    num_draft: json_int() | None = Field(None, description="dialspec: draft length N for this request")
 
     @field_validator("stop")
     @classmethod
@@ -112,7 +175,7 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _unsupported(self):
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+            if name in UNSUPPORTED and not any(_json_equal(value, v) for v in UNSUPPORTED[name]):
                 raise ValueError(f"UNSUPPORTED:{name}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
@@ -139,13 +202,13 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: json_int(ge=1) | None = None
 
     def prompt_count(self) -> int:
         return 1
 
 
-TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenId = json_int(ge=0)
 
 
 class CompletionRequest(_Common):
@@ -189,7 +252,7 @@ def request_models(lim: Limits) -> tuple[type[ChatCompletionRequest], type[Compl
     validate. The dial's own fields keep their checks in verifier.dial; their documented ranges
     here (quality, num_draft) are the same numbers."""
     max_id = None if lim.vocab_size is None else lim.vocab_size - 1
-    ids = Annotated[StrictInt, Field(ge=0, le=max_id)]
+    ids = json_int(ge=0, le=max_id)
     models = {"enum": list(lim.models)} if lim.models else {}
     quality_doc = {
         "anyOf": [
@@ -209,23 +272,26 @@ def request_models(lim: Limits) -> tuple[type[ChatCompletionRequest], type[Compl
             json_schema_extra=models,
             description="a served name (GET /v1/models); others are answered 404 model_not_found",
         )
-        max_tokens: StrictInt | None = Field(None, ge=1, le=lim.max_tokens)
-        n: StrictInt = Field(1, ge=1, le=lim.max_n, description=f"choices x prompts must be <= {lim.max_n}")
+        max_tokens: json_int(ge=1, le=lim.max_tokens) | None = None
+        n: json_int(ge=1, le=lim.max_n) = Field(1, description=f"choices x prompts must be <= {lim.max_n}")
         quality: StrictFloat | StrictInt | StrictStr | None = Field(
             None,
             description=_Common.model_fields["quality"].description,
             json_schema_extra=_replace_schema(quality_doc),
         )
-        num_draft: StrictInt | None = Field(
+        num_draft: json_int() | None = Field(
             None,
             description="dialspec: draft length N for this request",
             json_schema_extra=_replace_schema(num_draft_doc),
         )
 
     class ChatCompletionRequest(_Limited, _ChatBase):
-        max_completion_tokens: StrictInt | None = Field(None, ge=1, le=lim.max_tokens)
+        max_completion_tokens: json_int(ge=1, le=lim.max_tokens) | None = None
 
     class CompletionRequest(_Limited, _CompletionBase):
+        model_config = ConfigDict(
+            json_schema_extra=lambda schema, _cls: _add_rules(schema, STREAM_RULE, *choice_rules(lim.max_n))
+        )
         prompt: (
             NonEmptyStr
             | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=lim.max_n)]
@@ -305,6 +371,49 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage
     dialspec: DialspecStats
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    finish_reason: str | None = Field(description="set on a choice's last chunk: stop, length or abort")
+    logprobs: None = None
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a chat stream (`choices` is empty on the final usage chunk)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    dialspec: DialspecStats | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One `data:` event of a text-completion stream."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+    dialspec: DialspecStats | None = None
 
 
 class ModelCard(BaseModel):
