@@ -22,17 +22,16 @@ from server.engine.protocol import Engine
 from server.gateway import errors, openapi
 from server.gateway.errors import APIError
 from server.gateway.middleware import DOCS_PATHS, GuardMiddleware
-from server.gateway.schemas import (
+from server.gateway.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionChunk,
     CompletionResponse,
-    Limits,
     ModelCard,
     ModelList,
     ReadyResponse,
-    request_models,
 )
+from server.gateway.schemas import Limits, request_models
 from server.gateway.service import Gateway
 from server.gateway.settings import GatewaySettings
 from verifier.dial import AUTO, model_names

@@ -61,7 +61,7 @@ log = logging.getLogger("dialspec.gateway")
 
 
 def make_server(app, config_kwargs: dict, banner: str | None = None):
-    """A GatewayServer for `app` (a create_app app) that prints `banner` once it is listening."""
+    """A GatewayServer for `app` that prints `banner` once it is listening."""
     import uvicorn
 
     class GatewayServer(uvicorn.Server):
@@ -69,14 +69,16 @@ def make_server(app, config_kwargs: dict, banner: str | None = None):
 
         def __init__(self, config):
             super().__init__(config)
-            self.gateway = app.state.gateway
+            # a create_app app; any other ASGI app (tests' fakes) just stops on shutdown
+            self.gateway = getattr(getattr(app, "state", None), "gateway", None)
             self.exit_code = 0
             self._loop: asyncio.AbstractEventLoop | None = None
             self._draining = False
 
         async def startup(self, sockets=None):
             self._loop = asyncio.get_running_loop()
-            self.gateway.on_fatal = self._on_fatal
+            if self.gateway is not None:
+                self.gateway.on_fatal = self._on_fatal
             await super().startup(sockets=sockets)
             if self.started and banner:
                 print(banner, flush=True)
@@ -102,7 +104,8 @@ def make_server(app, config_kwargs: dict, banner: str | None = None):
 
         async def _drain_then_exit(self) -> None:
             try:
-                await self.gateway.shutdown()
+                if self.gateway is not None:
+                    await self.gateway.shutdown()
             finally:
                 self.should_exit = True
 

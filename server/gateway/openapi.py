@@ -16,7 +16,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from server.gateway.schemas import ChatCompletionChunk, CompletionChunk, ErrorResponse
+from server.gateway.responses import ChatCompletionChunk, CompletionChunk, ErrorResponse
 
 _REF = "#/components/schemas/{model}"
 
