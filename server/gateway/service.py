@@ -179,7 +179,7 @@ class Gateway:
             ) from None
         except Closed:
             raise self._refuse(
-                shutting_down() if self.draining else APIError(503, str(self.failed))
+                shutting_down() if self.draining else APIError(503, str(self.failed), code="engine_failed")
             ) from None
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
