@@ -6,12 +6,17 @@ weight travels one path: HTTP body -> `verifier.dial.resolve` (quality -> `Verif
 
 Cancellation: closing the async iterator returned by `Engine.generate` (e.g. `aclose()`, or the
 consuming task being cancelled) aborts the request and frees its batch row and cache at once.
+
+Faults: an engine fails only the request(s) that caused a fault (EngineError kind 'internal');
+one it cannot recover from is its `fault` (see `engine_fault`), after which it never generates
+again and the serving process should exit non-zero so that a supervisor restarts it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, runtime_checkable
 
 from verifier.dial import DEFAULT_AUTO_DIAL, Verification
@@ -21,12 +26,30 @@ VerifyOptions = Verification
 FinishReason = Literal["stop", "length", "abort"]
 
 
-class EngineError(Exception):
-    """A request the engine cannot serve; `kind` maps to an HTTP status in the gateway."""
+ErrorKind = Literal["invalid_request", "capacity", "unavailable", "internal"]
 
-    def __init__(self, message: str, kind: Literal["invalid_request", "capacity", "unavailable"]):
+
+class EngineError(Exception):
+    """A request the engine cannot serve; `kind` maps to an HTTP status in the gateway
+    (invalid_request 400, capacity 429, unavailable 503, internal 500: the engine faulted on this
+    request and dropped it, and goes on serving the others)."""
+
+    def __init__(self, message: str, kind: ErrorKind):
         super().__init__(message)
         self.kind = kind
+
+
+# Sampling values every engine can honour (`check_sampling`).
+# Below MIN_TEMPERATURE sampling is greedy (vLLM's and SGLang's convention): logits / t overflows
+# float32 for tiny t (1e-50 is 0 in float32), and at t = 1e-5 a logit gap of 0.001 is already
+# e^-100 apart, so the draw is the argmax anyway.
+MIN_TEMPERATURE = 1e-5
+# top_p below this keeps exactly the most likely token, as any top_p <= 1/V does (that token alone
+# has mass >= 1/V), for vocabularies up to 10^7 tokens; flooring it keeps the value representable
+# in float32 (5e-324 is 0 there, which the sampling transform refuses).
+MIN_TOP_P = 1e-7
+MAX_TOP_K = 2**31 - 1  # any top_k >= V keeps every token; bigger values overflow int32 kernels
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass(frozen=True)
@@ -39,6 +62,47 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None  # same seed + same request -> same output, batched or alone
     ignore_eos: bool = False  # keep going past EOS (benchmarks); explicit stop_token_ids still stop
+
+
+def _number(value, name: str, integer: bool = False):
+    # bool is an int in Python, but `seed: false` is a client bug, not seed 0
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if not integer and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def check_sampling(s: SamplingOptions, vocab_size: int | None = None) -> SamplingOptions:
+    """`s` as an engine can honour it, or ValueError naming the field. Normalises, without changing
+    what is sampled: temperature below MIN_TEMPERATURE -> 0 (greedy); top_p below MIN_TOP_P ->
+    MIN_TOP_P; top_k >= `vocab_size` -> 0 (off)."""
+    temperature = _number(s.temperature, "temperature")
+    top_p = _number(s.top_p, "top_p")
+    top_k = _number(s.top_k, "top_k", integer=True)
+    max_tokens = _number(s.max_tokens, "max_tokens", integer=True)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if s.seed is not None and not SEED_RANGE[0] <= _number(s.seed, "seed", integer=True) <= SEED_RANGE[1]:
+        raise ValueError(f"seed must lie in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {s.seed}")
+    for t in s.stop_token_ids:
+        if _number(t, "stop_token_ids", integer=True) < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab_size}), got {t}")
+    if top_k > MAX_TOP_K or (vocab_size is not None and top_k >= vocab_size):
+        top_k = 0
+    return replace(
+        s,
+        temperature=0.0 if temperature < MIN_TEMPERATURE else float(temperature),
+        top_p=max(float(top_p), MIN_TOP_P),
+        top_k=top_k,
+    )
 
 
 @dataclass(frozen=True)
@@ -96,6 +160,17 @@ class EngineInfo:
     has_head: bool  # learned w_t available ("auto" quality)
     backend: str  # "embedded" or "sglang"
     auto_dial: float = DEFAULT_AUTO_DIAL  # the loaded head's default dial point (quality "auto")
+    # Optional limits a gateway publishes and checks before the engine sees a request:
+    max_num_draft: int | None = None  # largest per-request N; None = num_draft (N is fixed)
+    vocab_size: int | None = None  # token ids lie in [0, vocab_size); None = unknown
+    # Longest token in UTF-8 bytes, set only when tokenization provably yields at least
+    # ceil(bytes / max_token_bytes) tokens for any text (byte-level BPE, no normalizer): a prompt
+    # whose byte length alone exceeds the context can then be refused without tokenizing it.
+    max_token_bytes: int | None = None
+
+    @property
+    def num_draft_limit(self) -> int:
+        return self.max_num_draft if self.max_num_draft is not None else self.num_draft
 
 
 @runtime_checkable
@@ -121,3 +196,26 @@ class Engine(Protocol):
     def load(self) -> dict[str, int]:
         """{'running': rows decoding now, 'waiting': admitted but not yet in the batch}."""
         ...
+
+
+@runtime_checkable
+class ReportsReadiness(Protocol):
+    """What an engine says about readiness (part of the engine protocol; a separate class only so
+    that an engine without it still satisfies `Engine` and counts as ready once started)."""
+
+    async def readiness(self) -> str | None:
+        """None when the engine can generate now; otherwise why not, in a short sentence (not
+        started, failed, stopping, runtime unreachable). Must be cheap and must not raise."""
+        ...
+
+
+async def engine_readiness(engine) -> str | None:
+    """`engine.readiness()`, or None (ready) for an engine without the method."""
+    if isinstance(engine, ReportsReadiness):
+        return await engine.readiness()
+    return None
+
+
+def engine_fault(engine) -> BaseException | None:
+    """The unrecoverable fault of an engine that reports one (optional attribute `fault`)."""
+    return getattr(engine, "fault", None)

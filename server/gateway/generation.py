@@ -26,6 +26,13 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before the response was complete."""
 
 
+class ServerShuttingDown(Exception):
+    """The drain's grace period ended before this request finished (MultiStream.shutdown)."""
+
+
+_SHUTDOWN = object()  # queue sentinel: the server is ending this request
+
+
 class MultiStream:
     """Runs one engine stream per choice concurrently and yields `(choice_index, chunk)` in arrival
     order. `aclose()` cancels every stream still running and closes its engine iterator."""
@@ -57,10 +64,16 @@ class MultiStream:
             if aclose is not None:
                 await aclose()
 
+    def shutdown(self) -> None:
+        """End the request now: its consumer's `next_event` raises ServerShuttingDown."""
+        self._queue.put_nowait((-1, _SHUTDOWN))
+
     async def next_event(self) -> tuple[int, GenerationChunk] | None:
         """The next chunk of any choice, or None once every choice has finished."""
         while self._remaining:
             index, item = await self._queue.get()
+            if item is _SHUTDOWN:
+                raise ServerShuttingDown()
             if item is None:
                 self._remaining -= 1
             elif isinstance(item, Exception):

@@ -41,6 +41,11 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", action="append", dest="api_keys", help="require this Bearer key (repeatable)")
     p.add_argument("--max-waiting", type=int, help="queued requests beyond which the server answers 429")
     p.add_argument(
+        "--drain-timeout",
+        type=float,
+        help="seconds in-flight requests get to finish after SIGTERM (default 30; DIALSPEC_DRAIN_TIMEOUT_S)",
+    )
+    p.add_argument(
         "--backend",
         choices=["embedded", "sglang"],
         default=os.environ.get("DIALSPEC_BACKEND", "embedded"),
@@ -71,7 +76,12 @@ def _settings(args):
     from server.gateway.settings import load_settings
 
     try:
-        return load_settings(args.config, api_keys=args.api_keys, max_waiting=args.max_waiting)
+        return load_settings(
+            args.config,
+            api_keys=args.api_keys,
+            max_waiting=args.max_waiting,
+            drain_timeout_s=args.drain_timeout,
+        )
     except FileNotFoundError as exc:
         raise CLIError(f"{exc}; fix --config or DIALSPEC_CONFIG") from None
     except ValidationError as exc:
@@ -109,12 +119,12 @@ def run(args: argparse.Namespace) -> int:
 
     url = url_of(args.host, sock)
     banner = f"dialspec: serving '{engine.info.model}' at {url}/v1 (docs {url}/docs, metrics {url}/metrics)"
+    # The gateway drains before uvicorn stops (listen.GatewayServer): by then every response has
+    # been ended, so uvicorn's own wait only lets the last bytes out.
     server = make_server(
-        create_app(engine, settings),
-        {"log_level": args.log_level, "timeout_graceful_shutdown": int(settings.drain_timeout_s) + 5},
-        banner,
+        create_app(engine, settings), {"log_level": args.log_level, "timeout_graceful_shutdown": 15}, banner
     )
     server.run(sockets=[sock])
     if not server.started:
         raise CLIError("the server did not start (the engine failed to load; see the log above)")
-    return 0
+    return server.exit_code

@@ -7,7 +7,9 @@ Completions: `text_completion` objects with `text`. The stream ends with `data: 
 With `stream_options.include_usage`, every chunk carries `"usage": null` and one final chunk with
 `"choices": []` carries usage and the `dialspec` stats; without it, `dialspec` rides on the last chunk
 that has choices. An error after the stream started is sent as `data: {"error": {...}}` (the
-`openai` client raises it) followed by `[DONE]`.
+`openai` client raises it) followed by `[DONE]`. When a shutdown's grace period ends first, each
+unfinished choice gets a final chunk with `finish_reason: "abort"` (and the usage chunk, when
+asked for), then the error event `server_shutting_down`, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from sse_starlette import EventSourceResponse
 
 from server.engine.protocol import EngineError
 from server.gateway.errors import APIError, from_engine_error
-from server.gateway.generation import MultiStream, Tracker
+from server.gateway.generation import MultiStream, ServerShuttingDown, Tracker
 
 log = logging.getLogger("dialspec.gateway")
 
@@ -87,12 +89,40 @@ async def sse_events(
             event = await run.next_event()
         if fmt.include_usage:
             yield {"data": _dump(fmt.usage_chunk(tracker.usage(), tracker.dialspec()))}
+    except ServerShuttingDown:
+        for event in _final_chunks(tracker, fmt, started):
+            yield event
+        yield {"data": _dump(shutting_down().body())}
     except EngineError as exc:
         yield {"data": _dump(from_engine_error(exc).body())}
     except Exception as exc:  # never leave the client hanging without [DONE]
         log.exception("stream failed: %s", type(exc).__name__)
         yield {"data": _dump(APIError(500, "internal error while streaming").body())}
     yield {"data": "[DONE]"}
+
+
+def shutting_down() -> APIError:
+    """503 for requests refused or cut short by a shutdown (a fresh object: it is raised)."""
+    return APIError(
+        503,
+        "the server is shutting down; retry the request (on another replica)",
+        code="server_shutting_down",
+        headers={"Retry-After": "1", "Connection": "close"},
+    )
+
+
+def _final_chunks(tracker: Tracker, fmt: ChunkFormatter, started: list[bool]):
+    """A closing chunk for every unfinished choice (finish_reason 'abort'), then usage if asked."""
+    unfinished = [i for i, f in enumerate(tracker.finish) if f is None]  # Tracker.close counts them
+    for k, i in enumerate(unfinished):
+        payload = fmt.choice(i, None if fmt.kind == "chat" else "", "abort", role=not started[i])
+        if fmt.kind == "chat" and started[i]:
+            payload["choices"][0]["delta"] = {}
+        if k == len(unfinished) - 1 and not fmt.include_usage:
+            payload["dialspec"] = tracker.dialspec()
+        yield {"data": _dump(payload)}
+    if fmt.include_usage:
+        yield {"data": _dump(fmt.usage_chunk(tracker.usage(), tracker.dialspec()))}
 
 
 class ClosingEventSourceResponse(EventSourceResponse):

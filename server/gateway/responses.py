@@ -1,0 +1,139 @@
+"""Response bodies of the OpenAI-compatible API and the dialspec extensions, as documented in the
+OpenAPI schema (the handlers build plain dicts of these shapes), and the error object."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class DialspecStats(BaseModel):
+    """Per-request speculative decoding report (summed over choices)."""
+
+    policy: str = Field(description="verifier policy, or 'autoregressive'")
+    tier: str = Field(description="tier name, 'custom' for a numeric quality, 'auto', 'autoregressive'")
+    quality: float | None
+    mean_w: float | None = Field(description="mean ensemble weight applied per verified position")
+    drafts: int = Field(description="verify rounds that proposed draft tokens")
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float | None = Field(description="accepted_tokens / draft_tokens")
+    mean_accepted_length: float | None = Field(description="1 + accepted_tokens / drafts")
+    verify_steps: int = Field(description="target forward passes")
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: dict[str, Any]
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    dialspec: DialspecStats
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    dialspec: DialspecStats
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    finish_reason: str | None = Field(description="set on a choice's last chunk: stop, length or abort")
+    logprobs: None = None
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a chat stream (`choices` is empty on the final usage chunk)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    dialspec: DialspecStats | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One `data:` event of a text-completion stream."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+    dialspec: DialspecStats | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dialspec"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready"] = "ready"
+    model: str
+    backend: str
+    max_context: int
+    num_draft: int
+    has_head: bool
+    load: dict[str, int] = Field(description="running: sequences decoding; waiting: queued in the engine")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
