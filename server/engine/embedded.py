@@ -103,6 +103,7 @@ class EmbeddedEngine:
             has_head=config.head is not None,
             backend="embedded",
             auto_dial=getattr(head_config, "default_dial", DEFAULT_AUTO_DIAL),
+            token_provenance=True,  # rows report each token's source and w (row.py, `_provenance`)
         )
         self.scheduler: Scheduler | None = None
 

@@ -24,7 +24,13 @@ from server.engine.protocol import Engine, EngineError
 from server.gateway import errors
 from server.gateway.admission import Admission, Overloaded
 from server.gateway.errors import APIError, from_engine_error
-from server.gateway.generation import ClientDisconnected, MultiStream, Tracker, until_disconnect
+from server.gateway.generation import (
+    ClientDisconnected,
+    MultiStream,
+    Tracker,
+    enable_trace,
+    until_disconnect,
+)
 from server.gateway.metrics import GatewayMetrics
 from server.gateway.middleware import GuardMiddleware
 from server.gateway.prepare import Prepared, prepare
@@ -74,6 +80,8 @@ class Gateway:
             )
         try:
             prep = prepare(kind, body, self.engine, self.settings)
+            if body.dialspec_trace:
+                prep.requests = enable_trace(prep.requests, self.engine.info)
         except APIError as exc:
             self.metrics.errors.labels(status=str(exc.status)).inc()
             raise
@@ -165,6 +173,9 @@ class Gateway:
                 for i in range(tracker.num_choices)
             ]
             obj = "text_completion"
+        for choice, trace in zip(choices, tracker.traces, strict=True):
+            if trace is not None:
+                choice["dialspec_trace"] = trace
         return {
             "id": prep.request_id,
             "object": obj,

@@ -13,17 +13,43 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.requests import Request
 
-from server.engine.protocol import Engine, GenerationChunk, GenerationRequest, SpecStats
+from server.engine.protocol import Engine, EngineInfo, GenerationChunk, GenerationRequest, SpecStats
+from server.gateway.errors import APIError
 from server.gateway.metrics import GatewayMetrics
 from verifier.dial import DialPoint, PolicyKind
 
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before the response was complete."""
+
+
+def enable_trace(requests: list[GenerationRequest], info: EngineInfo) -> list[GenerationRequest]:
+    """`dialspec_trace: true`: the requests with per-token provenance on, or a 400 when the engine
+    does not report it (it is never made up from aggregate counters)."""
+    if not info.token_provenance:
+        raise APIError(
+            400,
+            f"dialspec_trace is not supported: the {info.backend} backend does not report per-token "
+            "provenance; remove dialspec_trace from the request",
+            param="dialspec_trace",
+            code="trace_unsupported",
+        )
+    return [replace(r, trace=True) for r in requests]
+
+
+def trace_entries(chunk: GenerationChunk) -> list[dict] | None:
+    """The chunk's `dialspec_trace` entries (schemas.TraceToken), None when it carries none."""
+    if chunk.provenance is None:
+        return None
+    return [
+        {"token_id": tok, "text": t.text, "source": t.source, "w": t.weight, "position": t.position,
+         "num_draft": t.num_draft}
+        for tok, t in zip(chunk.token_ids, chunk.provenance, strict=True)
+    ]  # fmt: skip
 
 
 class MultiStream:
@@ -92,6 +118,7 @@ class Tracker:
     finish: list[str | None] = field(init=False)
     completion_tokens: list[int] = field(init=False)
     stats: list[SpecStats | None] = field(init=False)
+    traces: list[list[dict] | None] = field(init=False)  # per choice, with dialspec_trace only
     _last: list[float | None] = field(init=False)
     failed: bool = False  # answered with an error before any output: not a finished sequence
     _first_at: float | None = None
@@ -103,6 +130,7 @@ class Tracker:
         self.finish = [None] * n
         self.completion_tokens = [0] * n
         self.stats = [None] * n
+        self.traces = [None] * n
         self._last = [None] * n
 
     def on_chunk(self, index: int, chunk: GenerationChunk) -> None:
@@ -118,6 +146,10 @@ class Tracker:
             self._last[index] = now
         if chunk.text:
             self.texts[index].append(chunk.text)
+        if chunk.provenance is not None:
+            if self.traces[index] is None:
+                self.traces[index] = []
+            self.traces[index].extend(trace_entries(chunk))
         self.completion_tokens[index] = chunk.completion_tokens
         if chunk.finish_reason is not None:
             self.finish[index] = chunk.finish_reason

@@ -9,6 +9,8 @@ dialspec extensions (top level; the `openai` client's `extra_body` puts them the
     verifier  "ensemble" (default) | "lossy" | "cascade" | "typical": baseline policies to compare
     mode      "speculative" (default) | "autoregressive": the target-only baseline
     num_draft draft length N for this request (engine default when absent)
+    dialspec_trace  true: every choice (and every streamed chunk) carries `dialspec_trace`, one
+              `TraceToken` per generated token: its source and the w applied at its position
 """
 
 from __future__ import annotations
@@ -87,6 +89,12 @@ class _Common(BaseModel):
         None, description="dialspec: 'autoregressive' runs the target alone (speed baseline)"
     )
     num_draft: int | None = Field(None, ge=1, le=64, description="dialspec: draft length N for this request")
+    dialspec_trace: StrictBool = Field(
+        False,
+        description="dialspec: report each token's provenance (draft / corrected / bonus / target) and "
+        "the w applied at its position, as `dialspec_trace` in every choice and streamed chunk choice. "
+        "Backends that cannot report it (SGLang) answer 400.",
+    )
 
     @field_validator("stop")
     @classmethod
@@ -181,11 +189,30 @@ class DialspecStats(BaseModel):
     verify_steps: int = Field(description="target forward passes")
 
 
+class TraceToken(BaseModel):
+    """One generated token's provenance (requests with `dialspec_trace: true`)."""
+
+    token_id: int
+    text: str = Field(description="the part of the choice's text released with this token (may be '')")
+    source: Literal["draft", "corrected", "bonus", "target"] = Field(
+        description="draft: a draft token the verifier accepted; corrected: drawn from the residual at "
+        "the first rejection; bonus: drawn from the target after all N drafts were accepted; target: "
+        "autoregressive mode"
+    )
+    w: float | None = Field(
+        description="ensemble weight applied at this position (static, or the learned head's w_t); "
+        "null for bonus and target tokens (drawn from p) and for baseline verifiers"
+    )
+    position: int = Field(description="index in its speculative round (0 = the round's first token)")
+    num_draft: int = Field(description="draft length N of its round (0 = autoregressive)")
+
+
 class ChatChoice(BaseModel):
     index: int
     message: dict[str, Any]
     finish_reason: str | None
     logprobs: None = None
+    dialspec_trace: list[TraceToken] | None = Field(None, description="with `dialspec_trace: true`")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -203,6 +230,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: None = None
+    dialspec_trace: list[TraceToken] | None = Field(None, description="with `dialspec_trace: true`")
 
 
 class CompletionResponse(BaseModel):
@@ -225,6 +253,24 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TierMark(BaseModel):
+    name: str
+    quality: float
+
+
+class DialInfo(BaseModel):
+    """`GET /v1/dial`: the served pair and its dial, for clients that draw one (the playground)."""
+
+    model: str = Field(description="the pair's served name")
+    backend: str
+    num_draft: int = Field(description="default draft length N")
+    max_context: int
+    tiers: list[TierMark] = Field(description="named qualities, ascending")
+    default_quality: str | float
+    has_head: bool = Field(description="a learned head is loaded: quality 'auto' is served")
+    token_provenance: bool = Field(description="`dialspec_trace` is supported")
 
 
 class ErrorDetail(BaseModel):
