@@ -241,6 +241,14 @@ def test_trace_field_is_strict_and_documented(served):
     assert "dialspec_trace" in comps["CompletionRequest"]["properties"]
     sources = set(comps["TraceToken"]["properties"]["source"]["enum"])
     assert sources == {"draft", "corrected", "bonus", "target"}
+    assert "/v1/dial" in schema["paths"]
+
+
+def test_dial_endpoint(served):
+    d = httpx.get(served.url + "/v1/dial").json()
+    assert d["model"] == NAME and d["backend"] == "embedded" and d["num_draft"] == N
+    assert [t["name"] for t in d["tiers"]] == ["lite", "standard", "pro", "exact"]
+    assert d["has_head"] is True and d["token_provenance"] is True
 
 
 def test_sglang_backend_refuses_trace(tiny_pair):

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server.engine.protocol import Engine, EngineError
-from server.gateway import errors
+from server.gateway import errors, playground
 from server.gateway.admission import Admission, Overloaded
 from server.gateway.errors import APIError, from_engine_error
 from server.gateway.generation import (
@@ -261,6 +261,8 @@ def create_app(
                 {"id": n, "object": "model", "created": gw.created, "owned_by": "dialspec"} for n in names
             ],
         }
+
+    playground.install(app, engine, settings)
 
     @app.get("/health")
     async def health():

@@ -196,6 +196,10 @@ class Tracker:
             s.weight_sum += st.weight_sum
             s.weight_count += st.weight_count
             s.verify_steps += st.verify_steps
+            for pos, count in enumerate(st.accepted_per_position):
+                if pos == len(s.accepted_per_position):
+                    s.accepted_per_position.append(0)
+                s.accepted_per_position[pos] += count
         mean_w = s.mean_weight
         verify = self.dial.verification
         if mean_w is None and s.drafts and verify.policy == PolicyKind.ENSEMBLE and not verify.learned:
@@ -211,6 +215,7 @@ class Tracker:
             "acceptance_rate": s.acceptance_rate,
             "mean_accepted_length": s.mean_accepted_length,
             "verify_steps": s.verify_steps,
+            "accepted_per_position": s.accepted_per_position,
         }
 
 

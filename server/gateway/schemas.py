@@ -187,6 +187,10 @@ class DialspecStats(BaseModel):
     acceptance_rate: float | None = Field(description="accepted_tokens / draft_tokens")
     mean_accepted_length: float | None = Field(description="1 + accepted_tokens / drafts")
     verify_steps: int = Field(description="target forward passes")
+    accepted_per_position: list[int] = Field(
+        description="index i: rounds whose draft at position i was accepted (divide by drafts for the "
+        "acceptance by position); empty when the backend does not report it"
+    )
 
 
 class TraceToken(BaseModel):

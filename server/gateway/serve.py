@@ -108,7 +108,10 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"cannot set up the {args.backend} engine: {type(exc).__name__}: {exc}") from None
 
     url = url_of(args.host, sock)
-    banner = f"dialspec: serving '{engine.info.model}' at {url}/v1 (docs {url}/docs, metrics {url}/metrics)"
+    banner = (
+        f"dialspec: serving '{engine.info.model}' at {url}/v1 (playground {url}/playground, "
+        f"docs {url}/docs, metrics {url}/metrics)"
+    )
     server = make_server(
         create_app(engine, settings),
         {"log_level": args.log_level, "timeout_graceful_shutdown": int(settings.drain_timeout_s) + 5},
