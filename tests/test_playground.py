@@ -287,7 +287,7 @@ def test_page_is_served_without_a_key_and_shipped_with_the_package(server):
     r = httpx.get(server.url + "/playground")
     assert r.status_code == 200 and "dialspec playground" in r.text
     assert "default-src 'none'" in r.headers["content-security-policy"]
-    for asset in ("playground.js", "playground.css"):
+    for asset in ("playground.js", "chart.js", "sse.js", "playground.css"):
         assert httpx.get(f"{server.url}/playground/assets/{asset}").status_code == 200
     assert httpx.get(server.url + "/v1/dial").status_code == 401  # the API keeps its key
     pyproject = (ROOT / "pyproject.toml").read_text()

@@ -1,7 +1,8 @@
 // dialspec playground: two streams side by side with independent quality dials.
 // Talks only to the public HTTP API: GET /v1/dial, POST /v1/chat/completions (stream, dialspec_trace).
 // The API key lives in the key field and in requests' headers only: never written to storage.
-"use strict";
+import { drawBars } from "./chart.js";
+import { sseData } from "./sse.js";
 
 const SOURCE_TEXT = {
   draft: "accepted draft token",
@@ -275,38 +276,7 @@ class Column {
         ? s.accepted_per_position.map((a) => a / s.drafts)
         : this.byPosition.map((p) => (p.rounds ? p.accepted / p.rounds : 0));
     if (!bars.length) return;
-    const svg = $(".chart-svg", this.el);
-    svg.replaceChildren();
-    const ns = "http://www.w3.org/2000/svg";
-    const add = (tag, attrs, text) => {
-      const node = document.createElementNS(ns, tag);
-      for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
-      if (text !== undefined) node.textContent = text;
-      svg.append(node);
-      return node;
-    };
-    const [x0, y0, width, height] = [28, 108, 284, 92];
-    add("line", { class: "axis", x1: x0, y1: y0, x2: x0 + width, y2: y0 });
-    add("line", { class: "axis", x1: x0, y1: y0, x2: x0, y2: y0 - height });
-    for (const v of [0, 0.5, 1]) {
-      add("text", { x: 2, y: y0 - v * height + 3 }, `${v * 100}%`);
-    }
-    const slot = width / bars.length;
-    const label = [];
-    bars.forEach((v, i) => {
-      const h = v * height;
-      const x = x0 + i * slot + slot * 0.15;
-      const bar = add("rect", { class: "bar", x, y: y0 - h, width: slot * 0.7, height: h });
-      const title = document.createElementNS(ns, "title");
-      title.textContent = `position ${i + 1}: ${(v * 100).toFixed(0)}% accepted`;
-      bar.append(title);
-      add("text", { x: x + slot * 0.35, y: y0 - h - 3, "text-anchor": "middle" }, `${Math.round(v * 100)}`);
-      add("text", { x: x + slot * 0.35, y: y0 + 11, "text-anchor": "middle" }, String(i + 1));
-      label.push(`position ${i + 1} ${Math.round(v * 100)}%`);
-    });
-    add("text", { x: x0 + width / 2, y: y0 + 21, "text-anchor": "middle" }, "draft position");
-    svg.setAttribute("aria-label", `acceptance by position: ${label.join(", ")}`);
-    svg.dataset.bars = JSON.stringify(bars);
+    drawBars($(".chart-svg", this.el), bars);
     this.chart.hidden = false;
   }
 }
@@ -329,28 +299,6 @@ function requestBody(col) {
   if (seed !== "") body.seed = Number(seed);
   if (dial.token_provenance) body.dialspec_trace = true;
   return body;
-}
-
-// SSE events of a fetch response body: yields each event's `data` (lines joined).
-async function* sseData(resp) {
-  const reader = resp.body.getReader();
-  const decoder = new TextDecoder();
-  let buf = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) break;
-    buf += decoder.decode(value, { stream: true });
-    let m;
-    while ((m = /\r?\n\r?\n/.exec(buf)) !== null) {
-      const block = buf.slice(0, m.index);
-      buf = buf.slice(m.index + m[0].length);
-      const data = block
-        .split(/\r?\n/)
-        .filter((line) => line.startsWith("data:"))
-        .map((line) => line.slice(5).replace(/^ /, ""));
-      if (data.length) yield data.join("\n");
-    }
-  }
 }
 
 async function runColumn(col, controller) {
