@@ -54,6 +54,7 @@ OPERATIONS = [
     ("/v1/completions", "POST"),
     ("/v1/models", "GET"),
     ("/v1/models/{model_id}", "GET"),
+    ("/v1/dial", "GET"),
     ("/health", "GET"),
     ("/ready", "GET"),
     ("/metrics", "GET"),

@@ -113,6 +113,7 @@ class EmbeddedEngine:
             max_num_draft=config.max_num_draft,
             vocab_size=self.vocab_size,
             max_token_bytes=max_token_bytes(self.tokenizer),
+            token_provenance=True,  # rows report each token's source and w (row.py, `_provenance`)
         )
         self.scheduler: Scheduler | None = None
         self._stopping = False

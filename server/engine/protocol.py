@@ -24,6 +24,9 @@ from verifier.dial import DEFAULT_AUTO_DIAL, Verification
 # How a request's drafts are verified: owned by the dial (policy, static w, learned dial, N).
 VerifyOptions = Verification
 FinishReason = Literal["stop", "length", "abort"]
+# Where an emitted token came from: an accepted draft, the correction drawn at the first rejection,
+# the bonus drawn after N accepted drafts, or the target alone (autoregressive, N = 0).
+TokenSource = Literal["draft", "corrected", "bonus", "target"]
 
 
 ErrorKind = Literal["invalid_request", "capacity", "unavailable", "internal"]
@@ -111,6 +114,9 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     verify: VerifyOptions = field(default_factory=VerifyOptions)
+    # Report each token's provenance (`GenerationChunk.provenance`). Only engines whose
+    # `info.token_provenance` is True honour it; the gateway refuses it (400) for the others.
+    trace: bool = False
 
 
 @dataclass
@@ -139,6 +145,23 @@ class SpecStats:
         return self.weight_sum / self.weight_count if self.weight_count else None
 
 
+@dataclass(frozen=True)
+class TokenTrace:
+    """The provenance of one emitted token (requests with `trace`).
+
+    `weight` is the ensemble w applied at the token's position (the static w, or the learned
+    head's w_t): for a draft, the w its acceptance test used; for a correction, the w of the test
+    that rejected the draft there. None where no w applies: bonus and target tokens are drawn from
+    p, and baseline policies (lossy, cascade, typical) have no w.
+    """
+
+    source: TokenSource
+    text: str  # the part of the chunk's text released with this token ("" while it is held back)
+    weight: float | None
+    position: int  # index in its round: drafts 0..k-1, then the correction (k < N) or bonus (N)
+    num_draft: int  # N of its round (0 = autoregressive)
+
+
 @dataclass
 class GenerationChunk:
     """Incremental output. Text deltas never split a multi-byte character."""
@@ -149,6 +172,7 @@ class GenerationChunk:
     completion_tokens: int  # cumulative
     finish_reason: FinishReason | None = None  # set on the last chunk only
     stats: SpecStats | None = None  # cumulative; always set on the last chunk
+    provenance: list[TokenTrace] | None = None  # one per token_ids entry, only for `trace` requests
 
 
 @dataclass(frozen=True)
@@ -171,6 +195,8 @@ class EngineInfo:
     @property
     def num_draft_limit(self) -> int:
         return self.max_num_draft if self.max_num_draft is not None else self.num_draft
+
+    token_provenance: bool = False  # honours `GenerationRequest.trace` (per-token provenance)
 
 
 @runtime_checkable

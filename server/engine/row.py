@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from server.engine.detokenize import IncrementalDetokenizer, StopStringFilter
-from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats
-from verifier import Policy
+from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats, TokenTrace
+from verifier import Policy, PolicyKind
 
 
 @dataclass(eq=False)
@@ -60,12 +60,14 @@ class Row:
         self.detok = IncrementalDetokenizer(self.tokenizer, self.seq)
         self.stopper = StopStringFilter(s.stop)
         self.stats.accepted_per_position = [0] * self.num_draft
+        self.last_round: tuple[int, list[float]] = (0, [])  # (k, w per position) of the latest round
 
     def uniforms(self, count: int) -> torch.Tensor:
         """Next `count` uniforms `[count]` of this row's stream (drawn on CPU for determinism)."""
         return torch.rand(count, generator=self.generator)
 
     def record_round(self, num_accepted: int, weights: list[float]) -> None:
+        self.last_round = (num_accepted, weights)
         st = self.stats
         st.verify_steps += 1
         if self.num_draft:
@@ -78,18 +80,20 @@ class Row:
             st.weight_count += len(weights)
 
     def emit_tokens(self, tokens: list[int]) -> None:
-        """Append accepted tokens in order, applying stop rules; sends one chunk to the sink."""
+        """Append one round's tokens in order (its k accepted drafts, then the correction or bonus;
+        `record_round` has just been told k), applying stop rules; sends one chunk to the sink."""
         max_tokens = self.request.sampling.max_tokens
-        text, emitted, finish = [], [], None
+        pieces, emitted, finish = [], [], None  # pieces[i]: the text released with emitted[i]
         for tok in tokens:
             self.seq.append(tok)
             self.completion += 1
             emitted.append(tok)
             if tok in self.stop_ids:
                 finish = "stop"
+                pieces.append("")
                 break
             out, stopped = self.stopper.feed(self.detok.push(tok))
-            text.append(out)
+            pieces.append(out)
             if stopped:
                 finish = "stop"
                 break
@@ -98,11 +102,31 @@ class Row:
                 break
         if finish == "length" or (finish == "stop" and emitted[-1] in self.stop_ids):
             # Not ended by a stop string: release any held-back text (and incomplete bytes).
-            text.append(self.stopper.feed(self.detok.flush())[0])
-            text.append(self.stopper.flush())
-        self.send(GenerationChunk("".join(text), emitted, self.prompt_len, self.completion, finish))
+            pieces[-1] += self.stopper.feed(self.detok.flush())[0] + self.stopper.flush()
+        chunk = GenerationChunk("".join(pieces), emitted, self.prompt_len, self.completion, finish)
+        if self.request.trace:
+            chunk.provenance = self._provenance(pieces)
+        self.send(chunk)
         if finish is not None:
             self.done = True
+
+    def _provenance(self, pieces: list[str]) -> list[TokenTrace]:
+        """Token i of a round: a draft while i < k, then a correction (k < N) or the bonus (k = N);
+        with N = 0 the target's own token."""
+        k, weights = self.last_round
+        n = self.num_draft
+        ensemble = self.policy.kind == PolicyKind.ENSEMBLE
+        out = []
+        for i, text in enumerate(pieces):
+            if n == 0:
+                source = "target"
+            elif i < k:
+                source = "draft"
+            else:
+                source = "corrected" if k < n else "bonus"
+            weight = float(weights[i]) if ensemble and source in ("draft", "corrected") else None
+            out.append(TokenTrace(source, text, weight, i, n))
+        return out
 
     def send(self, chunk: GenerationChunk) -> None:
         chunk.stats = copy.deepcopy(self.stats)

@@ -19,7 +19,7 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server.engine.protocol import Engine
-from server.gateway import errors, openapi
+from server.gateway import errors, openapi, playground
 from server.gateway.errors import APIError
 from server.gateway.middleware import DOCS_PATHS, GuardMiddleware
 from server.gateway.responses import (
@@ -132,6 +132,8 @@ def create_app(
                 code="model_not_found",
             )
         return card(model_id)
+
+    playground.install(app, engine, settings)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

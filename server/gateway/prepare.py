@@ -49,6 +49,7 @@ class Plan:
     sampling: SamplingOptions  # normalised (protocol.check_sampling); max_tokens and seed set per choice
     stream: bool
     include_usage: bool
+    trace: bool  # dialspec_trace: per-token provenance on every choice
 
 
 @dataclass
@@ -168,6 +169,13 @@ def plan(
         sampling = check_sampling(sampling, info.vocab_size)
     except ValueError as exc:  # the schema's ranges make this rare; the message starts with the field
         raise bad_request(str(exc), str(exc).split(" ", 1)[0]) from None
+    if body.dialspec_trace and not info.token_provenance:  # never made up from aggregate counters
+        raise bad_request(
+            f"dialspec_trace is not supported: the {info.backend} backend does not report per-token "
+            "provenance; remove dialspec_trace from the request",
+            "dialspec_trace",
+            code="trace_unsupported",
+        )
     rid = uuid.uuid4().hex
     return Plan(
         kind=kind,
@@ -182,6 +190,7 @@ def plan(
         sampling=sampling,
         stream=body.stream,
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
+        trace=body.dialspec_trace,
     )
 
 
@@ -220,6 +229,7 @@ def build(p: Plan, prompts: list[list[int]], info: EngineInfo, settings) -> Prep
                     prompt_token_ids=tuple(ids),
                     sampling=replace(p.sampling, max_tokens=max_tokens, seed=seed),
                     verify=p.dial.verification,
+                    trace=p.trace,
                 )
             )
     return Prepared(

@@ -27,6 +27,27 @@ class DialspecStats(BaseModel):
     acceptance_rate: float | None = Field(description="accepted_tokens / draft_tokens")
     mean_accepted_length: float | None = Field(description="1 + accepted_tokens / drafts")
     verify_steps: int = Field(description="target forward passes")
+    accepted_per_position: list[int] = Field(
+        description="index i: rounds whose draft at position i was accepted (divide by drafts for the "
+        "acceptance by position); empty when the backend does not report it"
+    )
+
+
+class TraceToken(BaseModel):
+    """One generated token's provenance (requests with `dialspec_trace: true`)."""
+
+    token_id: int
+    text: str = Field(description="the part of the choice's text released with this token (may be '')")
+    source: Literal["draft", "corrected", "bonus", "target"] = Field(
+        description="draft: a draft token the verifier accepted; corrected: drawn from the residual at "
+        "the first rejection; bonus: drawn after all N drafts were accepted; target: autoregressive mode"
+    )
+    w: float | None = Field(
+        description="ensemble weight applied at this position (static, or the learned head's w_t); "
+        "null for bonus and target tokens and for baseline verifiers"
+    )
+    position: int = Field(description="index in its speculative round (0 = the round's first token)")
+    num_draft: int = Field(description="draft length N of its round (0 = autoregressive)")
 
 
 class ChatChoice(BaseModel):
@@ -34,6 +55,7 @@ class ChatChoice(BaseModel):
     message: dict[str, Any]
     finish_reason: str | None
     logprobs: None = None
+    dialspec_trace: list[TraceToken] | None = Field(None, description="with `dialspec_trace: true`")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -51,6 +73,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: None = None
+    dialspec_trace: list[TraceToken] | None = Field(None, description="with `dialspec_trace: true`")
 
 
 class CompletionResponse(BaseModel):
@@ -73,6 +96,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChunkDelta
     finish_reason: str | None = Field(description="set on a choice's last chunk: stop, length or abort")
     logprobs: None = None
+    dialspec_trace: list[TraceToken] | None = Field(None, description="with `dialspec_trace: true`")
 
 
 class CompletionChunkChoice(BaseModel):
@@ -80,6 +104,7 @@ class CompletionChunkChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: None = None
+    dialspec_trace: list[TraceToken] | None = Field(None, description="with `dialspec_trace: true`")
 
 
 class ChatCompletionChunk(BaseModel):
@@ -116,6 +141,24 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TierMark(BaseModel):
+    name: str
+    quality: float
+
+
+class DialInfo(BaseModel):
+    """`GET /v1/dial`: the served pair and its dial, for clients that draw one (the playground)."""
+
+    model: str = Field(description="the pair's served name")
+    backend: str
+    num_draft: int = Field(description="default draft length N")
+    max_context: int
+    tiers: list[TierMark] = Field(description="named qualities, ascending")
+    default_quality: str | float
+    has_head: bool = Field(description="a learned head is loaded: quality 'auto' is served")
+    token_provenance: bool = Field(description="`dialspec_trace` is supported")
 
 
 class ReadyResponse(BaseModel):

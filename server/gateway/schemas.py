@@ -166,6 +166,12 @@ class _Common(BaseModel):
     )
     # The range is the engine's (EngineInfo.num_draft_limit), checked by verifier.dial.
     num_draft: json_int() | None = Field(None, description="dialspec: draft length N for this request")
+    dialspec_trace: StrictBool = Field(
+        False,
+        description="dialspec: report each token's provenance (draft / corrected / bonus / target) and "
+        "the w applied at its position, as `dialspec_trace` in every choice and streamed chunk choice. "
+        "Backends that cannot report it (SGLang) answer 400.",
+    )
 
     @field_validator("stop")
     @classmethod

@@ -118,7 +118,10 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"cannot set up the {args.backend} engine: {type(exc).__name__}: {exc}") from None
 
     url = url_of(args.host, sock)
-    banner = f"dialspec: serving '{engine.info.model}' at {url}/v1 (docs {url}/docs, metrics {url}/metrics)"
+    banner = (
+        f"dialspec: serving '{engine.info.model}' at {url}/v1 (playground {url}/playground, "
+        f"docs {url}/docs, metrics {url}/metrics)"
+    )
     # The gateway drains before uvicorn stops (listen.GatewayServer): by then every response has
     # been ended, so uvicorn's own wait only lets the last bytes out.
     server = make_server(

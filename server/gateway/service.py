@@ -268,6 +268,9 @@ class Gateway:
                 for i in range(tracker.num_choices)
             ]
             obj = "text_completion"
+        for choice, trace in zip(choices, tracker.traces, strict=True):
+            if trace is not None:
+                choice["dialspec_trace"] = trace
         return {
             "id": prep.request_id,
             "object": obj,

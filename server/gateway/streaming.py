@@ -22,7 +22,7 @@ from sse_starlette import EventSourceResponse
 
 from server.engine.protocol import EngineError
 from server.gateway.errors import APIError, from_engine_error
-from server.gateway.generation import MultiStream, ServerShuttingDown, Tracker
+from server.gateway.generation import MultiStream, ServerShuttingDown, Tracker, trace_entries
 
 log = logging.getLogger("dialspec.gateway")
 
@@ -44,7 +44,9 @@ class ChunkFormatter:
         }
         self.include_usage = include_usage
 
-    def choice(self, index: int, text: str | None, finish: str | None, role: bool = False) -> dict:
+    def choice(
+        self, index: int, text: str | None, finish: str | None, role: bool = False, trace: list | None = None
+    ) -> dict:
         if self.kind == "chat":
             delta: dict = {}
             if role:
@@ -54,6 +56,8 @@ class ChunkFormatter:
             body: dict = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             body = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if trace is not None:
+            body["dialspec_trace"] = trace
         payload = {**self.base, "choices": [body]}
         if self.include_usage:
             payload["usage"] = None
@@ -74,11 +78,12 @@ async def sse_events(
         while event is not None:
             index, chunk = event
             tracker.on_chunk(index, chunk)
+            trace = trace_entries(chunk)
             if fmt.kind == "chat" and not started[index]:
                 started[index] = True
-                yield {"data": _dump(fmt.choice(index, chunk.text, None, role=True))}
-            elif chunk.text:
-                yield {"data": _dump(fmt.choice(index, chunk.text, None))}
+                yield {"data": _dump(fmt.choice(index, chunk.text, None, role=True, trace=trace))}
+            elif chunk.text or trace:
+                yield {"data": _dump(fmt.choice(index, chunk.text, None, trace=trace))}
             if chunk.finish_reason is not None:
                 payload = fmt.choice(index, None if fmt.kind == "chat" else "", chunk.finish_reason)
                 if fmt.kind == "chat":
