@@ -97,6 +97,9 @@ class EmbeddedEngine:
             num_draft=config.num_draft,
             has_head=config.head is not None,
             backend="embedded",
+            policies=tuple(_POLICY_KINDS),
+            per_request_num_draft=True,
+            max_num_draft=config.max_num_draft,
         )
         # A head directory is loaded and checked against the pair here, so a mismatch fails when
         # the engine is built (before any server listens); load_models only moves it to the device.

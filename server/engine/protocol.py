@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 PolicyName = Literal["ensemble", "lossy", "cascade", "typical"]
+ALL_POLICIES: tuple[PolicyName, ...] = ("ensemble", "lossy", "cascade", "typical")
 Mode = Literal["speculative", "autoregressive"]
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -100,12 +101,22 @@ class GenerationChunk:
 
 @dataclass(frozen=True)
 class EngineInfo:
+    """What an engine serves and what it can honour per request (its capabilities).
+
+    The capability fields default to the embedded engine's; a backend that cannot do something
+    says so here and refuses such requests with EngineError('invalid_request'), so the gateway
+    can validate against them instead of an option being dropped silently.
+    """
+
     model: str  # the pair's served name
     max_context: int  # prompt + completion tokens
     max_batch: int
     num_draft: int  # default N
-    has_head: bool  # learned w_t available ("auto" quality)
+    has_head: bool  # learned w_t available ("auto" quality, VerifyOptions.learned)
     backend: str  # "embedded" or "sglang"
+    policies: tuple[PolicyName, ...] = ALL_POLICIES  # verification rules VerifyOptions.policy may name
+    per_request_num_draft: bool = True  # VerifyOptions.num_draft honoured (else only the default N)
+    max_num_draft: int = 8  # largest N a request may ask for (= num_draft when not per request)
 
 
 @runtime_checkable
@@ -131,3 +142,23 @@ class Engine(Protocol):
     def load(self) -> dict[str, int]:
         """{'running': rows decoding now, 'waiting': admitted but not yet in the batch}."""
         ...
+
+
+@runtime_checkable
+class ReadinessProbe(Protocol):
+    """Optional engine method: whether the engine can serve correctly right now.
+
+    Engines whose correctness depends on something outside the process (the SGLang engine: a
+    runtime with dialspec's plugin live) implement it; the embedded engine does not need to.
+    It must answer quickly (from a cached probe result), never raise, and return None when
+    ready or a one-line reason when not.
+    """
+
+    async def readiness(self) -> str | None: ...
+
+
+async def engine_readiness(engine: object) -> str | None:
+    """`engine.readiness()` where the engine implements it; None (ready) otherwise."""
+    if isinstance(engine, ReadinessProbe):
+        return await engine.readiness()
+    return None
