@@ -19,6 +19,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import pkgutil
 import sys
 import types
 from pathlib import Path
@@ -39,7 +40,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     )
 
 import server.sglang_plugin as plugin
-from server.sglang_plugin import args_hook, params, verify_hooks
+from server.sglang_plugin import args_hook, liveness, params, verify_hooks
 from server.sglang_plugin.ensemble import chain_rejection_reference
 
 HEAVY = [
@@ -50,6 +51,7 @@ HEAVY = [
     "sglang.srt.speculative.eagle_worker_common",
     "sglang.srt.model_executor.model_runner",
     "sglang.kernels.ops.speculative.reject_sampling",
+    "sglang.srt.managers.scheduler",
 ]
 
 
@@ -104,6 +106,14 @@ def sglang_heavy():
     return mods
 
 
+@pytest.fixture(autouse=True)
+def fresh_liveness():
+    """Each test starts with no hooks expected (register() records what it registers)."""
+    liveness.expect([])
+    yield
+    liveness.expect([])
+
+
 @pytest.fixture
 def clean_registry():
     saved = {k: list(v) for k, v in HookRegistry._hooks.items()}
@@ -141,6 +151,7 @@ def test_active_plugin_registers_through_hook_registry(clean_registry, monkeypat
         verify_hooks.CHAIN_KERNEL: [HookType.AROUND],
         verify_hooks.DRAFT_FORWARD: [HookType.AROUND],
         verify_hooks.GRAPH_VARIANT: [HookType.AROUND],
+        liveness.SCHEDULER_INIT: [HookType.BEFORE],
     }
 
 
@@ -189,11 +200,37 @@ def test_every_hook_target_exists_in_sglang_source():
     assert _target_exists_in_source(plugin.LOAD_MODEL)
 
 
-def test_hooks_apply_to_the_real_functions_and_propagate(sglang_heavy, clean_registry, monkeypatch):
-    """apply_hooks patches every target, including `from X import f` copies in callers."""
+@pytest.fixture
+def restore_targets(sglang_heavy, monkeypatch):
+    """Every hook target (and the `from X import f` copies SGLang holds) restored after the test."""
     eagle_utils = sglang_heavy["sglang.srt.speculative.eagle_utils"]
     common = sglang_heavy["sglang.srt.speculative.eagle_worker_common"]
     rs = sglang_heavy["sglang.kernels.ops.speculative.reject_sampling"]
+    for mod, name in [
+        (eagle_utils, "eagle_sample"),
+        (common, "eagle_sample"),
+        (rs, "chain_speculative_sampling_triton"),
+        (eagle_utils, "chain_speculative_sampling_triton"),
+    ]:
+        monkeypatch.setattr(mod, name, getattr(mod, name))
+    for target in [t for t, _, _ in plugin.hook_specs(params.PluginSettings(enabled=True))] + [
+        liveness.SCHEDULER_INIT,
+        plugin.LOAD_MODEL,
+        plugin.MODEL_FORWARD,
+    ]:
+        owner_path, name = target.rsplit(".", 1)
+        owner = pkgutil.resolve_name(owner_path)
+        raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        monkeypatch.setattr(owner, name, raw)
+    return sglang_heavy
+
+
+def test_hooks_apply_to_the_real_functions_and_propagate(restore_targets, clean_registry, monkeypatch):
+    """apply_hooks patches every target, including `from X import f` copies in callers, and the
+    liveness check then finds every hook live (launcher and scheduler checkpoints pass)."""
+    eagle_utils = restore_targets["sglang.srt.speculative.eagle_utils"]
+    common = restore_targets["sglang.srt.speculative.eagle_worker_common"]
+    rs = restore_targets["sglang.kernels.ops.speculative.reject_sampling"]
     originals = {
         (eagle_utils, "eagle_sample"): eagle_utils.eagle_sample,
         (common, "eagle_sample"): common.eagle_sample,
@@ -201,19 +238,92 @@ def test_hooks_apply_to_the_real_functions_and_propagate(sglang_heavy, clean_reg
         (eagle_utils, "chain_speculative_sampling_triton"): eagle_utils.chain_speculative_sampling_triton,
     }
     monkeypatch.setenv(params.ENV_ENABLE, "1")
-    for (mod, name), fn in originals.items():
-        monkeypatch.setattr(mod, name, fn)  # restored after the test
-    wrk = sglang_heavy["sglang.srt.speculative.eagle_worker_v2"].EagleDraftWorker
-    runner = sglang_heavy["sglang.srt.speculative.eagle_draft_cuda_graph_runner"].EAGLEDraftCudaGraphRunner
-    sh = importlib.import_module("sglang.srt.arg_groups.speculative_hook")
-    monkeypatch.setattr(wrk, "draft_forward", wrk.draft_forward)
-    monkeypatch.setattr(runner, "_sampling_variant", runner._sampling_variant)
-    monkeypatch.setattr(sh, "_handle_eagle_family", sh._handle_eagle_family)
     plugin.register()
+    assert liveness.missing_hooks(liveness._expected) != []  # registered, not yet applied
     clean_registry.apply_hooks()
     assert clean_registry._patched == set(clean_registry._hooks)
     for (mod, name), fn in originals.items():
         assert getattr(mod, name) is not fn and getattr(mod, name).__wrapped__ is fn, f"{mod.__name__}.{name}"
+    assert liveness.missing_hooks(liveness._expected) == []
+    liveness.verify_live("launcher")
+    liveness.scheduler_init_check(object())
+
+
+def _sglang_load_plugins(monkeypatch):
+    """SGLang's own `load_plugins()` (discovery, register(), apply_hooks()), run afresh."""
+    import sglang.srt.plugins as plugins_mod
+
+    monkeypatch.setattr(plugins_mod, "_plugins_loaded", False)
+    monkeypatch.setenv("SGLANG_PLUGINS", "dialspec")
+    plugins_mod.load_plugins()
+
+
+def _scheduler_cls(sglang_heavy):
+    return sglang_heavy["sglang.srt.managers.scheduler"].Scheduler
+
+
+def test_a_hook_that_fails_to_apply_stops_the_scheduler(restore_targets, clean_registry, monkeypatch, caplog):
+    """The silent no-op: SGLang logs the failed patch and carries on; our checkpoint does not."""
+    monkeypatch.setenv(params.ENV_ENABLE, "1")
+    monkeypatch.setattr(verify_hooks, "EAGLE_SAMPLE", "sglang.srt.speculative.eagle_utils.no_such_function")
+    with caplog.at_level("ERROR"):
+        _sglang_load_plugins(monkeypatch)  # returns normally: SGLang swallowed the failure
+    assert "Failed to apply hooks to sglang.srt.speculative.eagle_utils.no_such_function" in caplog.text
+    scheduler = _scheduler_cls(restore_targets)
+    with pytest.raises(liveness.HooksNotLive) as info:
+        scheduler.__init__(scheduler.__new__(scheduler), None, None)  # the real, patched __init__
+    message = str(info.value)
+    assert message.startswith("dialspec SGLang plugin (scheduler): hooks not live") and "\n" not in message
+    assert "eagle_utils.no_such_function (cannot resolve" in message
+
+
+@pytest.mark.parametrize("damage", ["unpatched", "stale_copy"])
+def test_launcher_checkpoint_refuses_hooks_that_are_not_live(
+    restore_targets, clean_registry, stock_handler, tiny_pair, monkeypatch, damage
+):
+    monkeypatch.setenv(params.ENV_ENABLE, "1")
+    _sglang_load_plugins(monkeypatch)
+    _hooked(stock_handler)(_args(tiny_pair))  # all live: the real resolver passes
+    eagle_utils = restore_targets["sglang.srt.speculative.eagle_utils"]
+    common = restore_targets["sglang.srt.speculative.eagle_worker_common"]
+    original = eagle_utils.eagle_sample.__wrapped__
+    if damage == "unpatched":
+        monkeypatch.setattr(eagle_utils, "eagle_sample", original)
+        monkeypatch.setattr(common, "eagle_sample", original)
+        expected = "eagle_utils.eagle_sample (not patched)"
+    else:  # a `from eagle_utils import eagle_sample` copy the propagation missed
+        monkeypatch.setattr(common, "eagle_sample", original)
+        expected = "unpatched copies in sglang.srt.speculative.eagle_worker_common.eagle_sample"
+    with pytest.raises(liveness.HooksNotLive, match="launcher") as info:
+        _hooked(stock_handler)(_args(tiny_pair))
+    assert expected in str(info.value)
+
+
+def test_setup_errors_stop_startup_instead_of_being_swallowed(
+    clean_registry, stock_handler, tiny_pair, monkeypatch
+):
+    monkeypatch.setenv(params.ENV_ENABLE, "1")
+    monkeypatch.setenv(params.ENV_DEFAULT_W, "2")
+    plugin.register()  # would be swallowed by load_plugins if it raised
+    assert set(clean_registry._hooks) == {args_hook.TARGET, liveness.SCHEDULER_INIT}
+    ((_, hook, _),) = clean_registry._hooks[args_hook.TARGET]
+    with pytest.raises(liveness.HooksNotLive, match=r"setup failed: DIALSPEC_DEFAULT_W='2'"):
+        hook(stock_handler, _args(tiny_pair))
+    with pytest.raises(liveness.HooksNotLive, match="setup failed"):
+        liveness.scheduler_init_check(object())
+
+    clean_registry._hooks.clear()
+    monkeypatch.setenv(params.ENV_HEAD_PATH, "/no/such/head.pt")
+    monkeypatch.setenv(params.ENV_DEFAULT_W, "0.5")
+    plugin.register()
+    with pytest.raises(liveness.HooksNotLive, match="setup failed: .*no/such/head.pt"):
+        liveness.verify_live("launcher")
+
+    clean_registry._hooks.clear()
+    monkeypatch.delenv(params.ENV_ENABLE)
+    monkeypatch.setenv(params.ENV_DEFAULT_W, "2")
+    plugin.register()  # plugin off: a bad w is not its business
+    assert dict(clean_registry._hooks) == {}
 
 
 # ---------------------------------------------------------------------------- argument hook

@@ -14,7 +14,9 @@ The AROUND hook, for STANDALONE while the plugin is on:
      block verification changes the acceptance rule away from the one ν substitutes into);
   2. declares rejection sampling off while the stock resolver runs (so its EAGLE-only check
      passes and everything else it resolves: max running requests, auto N, draft-token count);
-  3. re-checks the resolved topk and declares rejection sampling on.
+  3. re-checks the resolved topk and declares rejection sampling on;
+  4. checks that every hook the plugin registered is live in this (the launcher) process
+     (`liveness.verify_live`), since SGLang swallows hook-application errors.
 
 Declarations are SGLang's own mechanism (`declare_resolution`, last writer wins), so the
 resolved record reads `speculative_use_rejection_sampling=True` everywhere downstream.
@@ -26,6 +28,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from server.sglang_plugin import liveness
 from server.sglang_plugin.params import settings_from_env
 
 logger = logging.getLogger(__name__)
@@ -81,5 +84,6 @@ def handle_eagle_family_around(original_fn: Callable[[Any], None], server_args: 
     original_fn(server_args)
     check_standalone_args(resolved_view(server_args))
     declare_resolution(server_args, SOURCE, speculative_use_rejection_sampling=True)
+    liveness.verify_live("launcher")
     logger.info("dialspec: STANDALONE verification uses the ensemble rejection sampler (topk=1)")
     return None
