@@ -76,8 +76,9 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
         if not head.exists():
             raise CLIError(f"--head {args.head!r}: no such head directory or TorchScript file")
         env[ENV_HEAD_PATH] = str(head.resolve())
-        # The head's state capture runs as forward hooks, which CUDA-graph replay skips.
-        argv.insert(argv.index("--enable-metrics"), "--disable-decode-cuda-graph")
+        # The head's state capture runs as forward hooks, which CUDA-graph replay skips: every
+        # phase's graphs go (decode: draft/verify graphs; prefill: the breakable prefill graph).
+        argv.insert(argv.index("--enable-metrics"), "--disable-cuda-graph")
     return argv, env
 
 

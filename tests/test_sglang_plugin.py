@@ -20,8 +20,6 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import pkgutil
-import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,68 +40,13 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 import server.sglang_plugin as plugin
 from server.sglang_plugin import args_hook, liveness, params, verify_hooks
 from server.sglang_plugin.ensemble import chain_rejection_reference
-
-HEAVY = [
-    "sglang.srt.speculative.eagle_utils",
-    "sglang.srt.speculative.eagle_worker_v2",
-    "sglang.srt.speculative.standalone_worker_v2",
-    "sglang.srt.speculative.eagle_draft_cuda_graph_runner",
-    "sglang.srt.speculative.eagle_worker_common",
-    "sglang.srt.model_executor.model_runner",
-    "sglang.kernels.ops.speculative.reject_sampling",
-    "sglang.srt.managers.scheduler",
-]
-
-
-class _Anything:
-    def __init__(self, *a, **k):
-        pass
-
-    def __call__(self, *a, **k):
-        return _Anything()
-
-    def __getattr__(self, name):
-        return _Anything()
-
-    def __mro_entries__(self, bases):
-        return (object,)
-
-
-class _StandInModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Anything()
-
-
-class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path, target=None):
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        mod = _StandInModule(spec.name)
-        mod.__path__ = []
-        return mod
-
-    def exec_module(self, module):
-        pass
+from tests.sglang_cpu import import_heavy
 
 
 @pytest.fixture(scope="module")
 def sglang_heavy():
-    """Import SGLang's speculative modules with torchvision stood in, then withdraw the stand-in."""
-    finder = _TorchvisionStandIn()
-    sys.meta_path.insert(0, finder)
-    try:
-        mods = {name: importlib.import_module(name) for name in HEAVY}
-    finally:
-        sys.meta_path.remove(finder)
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-    assert importlib.util.find_spec("torchvision") is None or True  # a real one may exist
-    return mods
+    """SGLang's speculative modules, imported with torchvision stood in (tests/sglang_cpu.py)."""
+    return import_heavy()
 
 
 @pytest.fixture(autouse=True)
@@ -519,9 +462,41 @@ def test_reference_kernel_agrees_with_sglang_triton_signature(sglang_heavy):
     assert callable(chain_rejection_reference)
 
 
-def test_arg_hook_refuses_learned_head_with_cuda_graphs(stock_handler, tiny_pair, monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "flags, still_on",
+    [
+        ({}, "decode, prefill"),
+        ({"disable_decode_cuda_graph": True}, "prefill"),  # the breakable prefill graph stays on
+        ({"disable_prefill_cuda_graph": True}, "decode"),
+        ({"disable_cuda_graph": True}, None),
+        ({"cuda_graph_backend_decode": "disabled", "cuda_graph_backend_prefill": "disabled"}, None),
+        ({"disable_cuda_graph": True, "cuda_graph_backend_decode": "full"}, "decode"),  # SGLang's precedence
+    ],
+)
+@pytest.mark.parametrize("resolved", [False, True], ids=["raw-flags", "resolved-config"])
+def test_learned_head_needs_every_cuda_graph_off(
+    stock_handler, tiny_pair, monkeypatch, tmp_path, flags, still_on, resolved
+):
+    """Forward hooks do not run on graph replay: decode (draft, draft-extend, verify) and
+    prefill (breakable) graphs must all be off. Checked on raw flags and on the config SGLang's
+    own `parse_cuda_graph_config` resolves (which runs before the speculative handler)."""
+    from sglang.srt.arg_groups.cuda_graph_hook import parse_cuda_graph_config
+    from sglang.srt.arg_groups.overrides import resolving_view
+
     monkeypatch.setenv(params.ENV_ENABLE, "1")
     monkeypatch.setenv(params.ENV_HEAD_PATH, str(tmp_path))
-    with pytest.raises(args_hook.DialspecConfigError, match="disable-decode-cuda-graph"):
-        _hooked(stock_handler)(_args(tiny_pair))
-    _hooked(stock_handler)(_args(tiny_pair, disable_decode_cuda_graph=True))
+    args = _args(tiny_pair, **flags)
+    if resolved:
+        import sglang.srt.model_executor.cuda_graph_config as graph_config
+
+        # SGLang's default prefill backend is "breakable" on CUDA and "disabled" elsewhere.
+        monkeypatch.setattr(graph_config, "default_prefill_backend", lambda: "breakable")
+        parse_cuda_graph_config(args)
+        assert hasattr(resolving_view(args).cuda_graph_config, "prefill")  # the resolved object
+    if still_on is None:
+        _hooked(stock_handler)(args)
+    else:
+        with pytest.raises(
+            args_hook.DialspecConfigError, match=f"--disable-cuda-graph.*still on: {still_on}$"
+        ):
+            _hooked(stock_handler)(args)

@@ -7,7 +7,7 @@ import shlex
 import pytest
 
 from server import cli, runtime_cli
-from server.sglang_plugin import params
+from server.sglang_plugin import args_hook, params
 
 
 def _argv(tiny_pair, *more):
@@ -98,7 +98,7 @@ def test_gpu_check_acceptance_arithmetic():
     assert mod.acceptance([{"accepted": 3, "proposed": 10}, {"accepted": 5, "proposed": 10}]) == 0.4
 
 
-def test_head_turns_decode_cuda_graphs_off(tiny_pair, tmp_path, capsys):
+def test_head_turns_every_cuda_graph_off(tiny_pair, tmp_path, capsys, monkeypatch):
     head = tmp_path / "head"
     head.mkdir()
     assert cli.main(_argv(tiny_pair, "--head", str(head))) == 0
@@ -106,4 +106,7 @@ def test_head_turns_decode_cuda_graphs_off(tiny_pair, tmp_path, capsys):
     assert f"{params.ENV_HEAD_PATH}={head}" in words
     from sglang.srt.server_args import prepare_server_args
 
-    assert prepare_server_args(words[words.index("-m") + 2 :]).disable_decode_cuda_graph is True
+    server_args = prepare_server_args(words[words.index("-m") + 2 :])
+    assert server_args.disable_cuda_graph is True
+    monkeypatch.setenv(params.ENV_HEAD_PATH, str(head))
+    assert args_hook.cuda_graph_phases_on(server_args) == []  # what the plugin requires of a head

@@ -39,10 +39,16 @@ def hook_specs(settings=None) -> list[tuple[str, object, str]]:
     head = None
     specs = []
     if settings.head_path:
-        from server.sglang_plugin.learned_head import LearnedHead, load_head, make_load_model_hook
+        from server.sglang_plugin.learned_head import (
+            LearnedHead,
+            load_head,
+            make_forward_hook,
+            make_load_model_hook,
+        )
 
         head = LearnedHead(load_head(settings.head_path))
         specs.append((LOAD_MODEL, make_load_model_hook(head), "AFTER"))
+        specs.append((MODEL_FORWARD, make_forward_hook(head), "AROUND"))
     specs += [
         (args_hook.TARGET, args_hook.handle_eagle_family_around, "AROUND"),
         (verify_hooks.EAGLE_SAMPLE, verify_hooks.make_eagle_sample_hook(settings, head), "AROUND"),

@@ -45,6 +45,33 @@ def _refuse(message: str) -> None:
     raise DialspecConfigError(f"dialspec SGLang plugin: {message}")
 
 
+def cuda_graph_phases_on(cfg: Any) -> list[str]:
+    """The phases ("decode", "prefill") whose CUDA graphs stay on.
+
+    From SGLang's resolved `cuda_graph_config` when it is resolved (the pipeline resolves it
+    before the speculative handlers), else from the flags with SGLang's precedence
+    (`parse_cuda_graph_config`): explicit JSON > `--cuda-graph-backend-<phase>` >
+    `--disable-<phase>-cuda-graph` / `--disable-cuda-graph`.
+    """
+    config = getattr(cfg, "cuda_graph_config", None)
+    on = []
+    for phase in ("decode", "prefill"):
+        resolved = getattr(config, phase, None)
+        if hasattr(resolved, "backend"):
+            backend = resolved.backend
+        else:
+            explicit = config.get(phase, {}).get("backend") if isinstance(config, dict) else None
+            backend = explicit or getattr(cfg, f"cuda_graph_backend_{phase}", None)
+            if backend is None:
+                off = getattr(cfg, f"disable_{phase}_cuda_graph", False) or getattr(
+                    cfg, "disable_cuda_graph", False
+                )
+                backend = "disabled" if off else "default"
+        if str(backend) != "disabled":
+            on.append(phase)
+    return on
+
+
 def check_standalone_args(cfg: Any) -> None:
     """Refuse configurations the chain rejection kernel cannot verify against ν.
 
@@ -63,10 +90,15 @@ def check_standalone_args(cfg: Any) -> None:
         )
     if getattr(cfg, "speculative_adaptive", False):
         _refuse("--speculative-adaptive is not supported (N must stay fixed per server)")
-    graphs_off = getattr(cfg, "disable_cuda_graph", False) or getattr(cfg, "disable_decode_cuda_graph", False)
-    if settings_from_env().head_path and not graphs_off:
-        # Capture uses Python forward hooks, which do not run when a CUDA graph is replayed.
-        _refuse("the learned head (DIALSPEC_HEAD_PATH) needs --disable-decode-cuda-graph")
+    on = cuda_graph_phases_on(cfg) if settings_from_env().head_path else []
+    if on:
+        # Capture uses Python forward hooks, which do not run when a CUDA graph is replayed: the
+        # decode phase covers the draft's decode and draft-extend graphs and the target-verify
+        # graph, the prefill phase the (breakable) prefill graphs of target and draft.
+        _refuse(
+            "the learned head (DIALSPEC_HEAD_PATH) needs every CUDA graph off (--disable-cuda-graph); "
+            f"still on: {', '.join(on)}"
+        )
     device = str(getattr(cfg, "device", None) or "cuda")
     if getattr(cfg, "enable_deterministic_inference", False) and not device.startswith("cuda"):
         _refuse("deterministic rejection sampling needs a CUDA device")

@@ -65,14 +65,23 @@ def row_weights(
     batch: Any, settings: PluginSettings, device: torch.device, num_draft: int, head=None
 ) -> torch.Tensor:
     """`[B]` static weights from the batch's requests, or `[B, N]` when a learned head is on and
-    some row asked for it (rows that did not keep their static w)."""
+    some row asked for it. Rows that did not ask, and rows the head cannot serve this step
+    (states missing or misaligned, or the head failed), keep their static w."""
     params = batch_row_params(batch.reqs, settings.default_w)
     static = torch.tensor([p.weight for p in params], dtype=torch.float32, device=device)  # [B]
     if head is None or not any(p.learned for p in params):
         return static
     learned_rows = torch.tensor([p.learned for p in params], device=device)  # [B]
-    w_t = head.weights(static, num_draft)  # [B, N]
-    return torch.where(learned_rows.unsqueeze(1), w_t, static.unsqueeze(1).expand_as(w_t))
+    rids = [req.rid for req in batch.reqs]
+    try:
+        w_t, ok = head.weights(rids, static, num_draft)  # [B, N], [B]
+    except Exception as exc:  # a failing head costs quality control, never the batch
+        head.log.warn("head", f"dialspec learned head failed ({exc!r}); using the requests' static w")
+        return static
+    use = learned_rows & ok.to(device)  # [B]
+    if bool((learned_rows & ~use).any()):
+        head.log.warn("states", "dialspec learned head: no aligned states for some rows; static w used")
+    return torch.where(use.unsqueeze(1), w_t.to(device), static.unsqueeze(1).expand(-1, num_draft))
 
 
 def make_eagle_sample_hook(settings: PluginSettings, head=None) -> Callable:
