@@ -77,27 +77,6 @@ def test_launch_execs_sglang_with_the_plugin_environment(tiny_pair, monkeypatch)
     assert seen["env"][params.ENV_ENABLE] == "1" and seen["env"][params.ENV_DEFAULT_W] == "0.25"
 
 
-def test_gpu_check_script_runs_its_cli_on_cpu():
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "scripts/sglang_gpu_check.py", "--help"], capture_output=True, text=True, check=True
-    )
-    assert "--weights" in out.stdout and "--greedy-tolerance" in out.stdout
-
-
-def test_gpu_check_acceptance_arithmetic():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "sglang_gpu_check.py"
-    spec = importlib.util.spec_from_file_location("sglang_gpu_check", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.acceptance([{"accepted": 3, "proposed": 10}, {"accepted": 5, "proposed": 10}]) == 0.4
-
-
 def test_head_turns_every_cuda_graph_off(tiny_pair, tmp_path, capsys, monkeypatch):
     head = tmp_path / "head"
     head.mkdir()
