@@ -8,6 +8,8 @@ Data flow for one verify step of a batch of B requests with N drafts each:
         publishes the kernel weights for this step (greedy rows: 1, already handled)
       -> chain_speculative_sampling_triton(target_probs=..., draft_probs=..., ...)   [AROUND]
         target_probs[:, :N] := ν = w·p + (1−w)·q   (see ensemble.py), then the stock kernel
+    after eagle_sample, return_logprob only: sampled rows' draft slots := T·log ν, so SGLang's
+        compute_spec_logprobs reports log ν there as it does for greedy rows (docs/sglang.md)
 
 The two hooks talk through a thread-local because the kernel call sits inside eagle_sample and
 receives no batch; a scheduler runs one verify at a time per thread.
