@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, runtime_checkable
 
-from verifier.dial import DEFAULT_AUTO_DIAL, Verification
+from verifier.dial import DEFAULT_AUTO_DIAL, PolicyKind, Verification
 
 # How a request's drafts are verified: owned by the dial (policy, static w, learned dial, N).
 VerifyOptions = Verification
@@ -192,11 +192,34 @@ class EngineInfo:
     # whose byte length alone exceeds the context can then be refused without tokenizing it.
     max_token_bytes: int | None = None
 
+    token_provenance: bool = False  # honours `GenerationRequest.trace` (per-token provenance)
+    # What this backend can do (a request asking for more is refused, never silently served as less):
+    policies: tuple[PolicyKind, ...] = tuple(PolicyKind)  # rules Verification.policy may name
+
     @property
     def num_draft_limit(self) -> int:
         return self.max_num_draft if self.max_num_draft is not None else self.num_draft
 
-    token_provenance: bool = False  # honours `GenerationRequest.trace` (per-token provenance)
+    @property
+    def per_request_num_draft(self) -> bool:
+        """Verification.num_draft is honoured; False: only the default N (max_num_draft None)."""
+        return self.max_num_draft is not None
+
+    def unsupported(self, v: Verification) -> str | None:
+        """Why this backend cannot serve `v` as asked (one line starting with the field), or None."""
+        if v.mode != "speculative":
+            return None  # the target alone: verification options do not apply
+        if v.policy not in self.policies:
+            names = ", ".join(k.wire for k in self.policies)
+            return f"verifier: the {self.backend} backend serves {names} only, not {v.policy.wire}"
+        if v.num_draft is not None and v.num_draft != self.num_draft and not self.per_request_num_draft:
+            return (
+                f"num_draft: the {self.backend} backend drafts a fixed N = {self.num_draft} (set at "
+                "launch); omit num_draft"
+            )
+        if v.learned and not self.has_head:
+            return f"quality: no learned head is loaded on the {self.backend} backend; 'auto' is not served"
+        return None
 
 
 @runtime_checkable

@@ -92,9 +92,12 @@ def resolve_dial(body, engine: Engine, config: DialConfig) -> DialPoint:
             head_dial=info.auto_dial if info.has_head else None,
         )
         point.verification.validate(info.num_draft_limit)
-        return point
     except DialError as exc:
         raise bad_request(str(exc), exc.param, code=exc.code) from None
+    reason = info.unsupported(point.verification)  # the backend's capabilities (EngineInfo)
+    if reason is not None:
+        raise bad_request(reason, reason.split(":", 1)[0], code="unsupported_by_backend")
+    return point
 
 
 def _context_error(

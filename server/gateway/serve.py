@@ -62,6 +62,20 @@ def register(subparsers) -> None:
         help="sglang backend: the pair's tokenizer (dir or HF id; env DIALSPEC_TOKENIZER)",
     )
     p.add_argument(
+        "--sglang-has-head",
+        action="store_true",
+        # The runtime's own variable (server/sglang_plugin/params.py): one setting for both processes.
+        default=bool(os.environ.get("DIALSPEC_HEAD_PATH")),
+        help="sglang backend: the runtime was launched with a learned head, so quality 'auto' is "
+        "served (default: on when DIALSPEC_HEAD_PATH is set, as for the runtime)",
+    )
+    p.add_argument(
+        "--sglang-probe-interval",
+        type=float,
+        default=os.environ.get("DIALSPEC_SGLANG_PROBE_INTERVAL", "60"),  # argparse applies `type`
+        help="sglang backend: seconds between plugin probes behind /ready (default 60)",
+    )
+    p.add_argument(
         "--head",
         default=os.environ.get("DIALSPEC_HEAD"),
         help="learned weight head dir for quality 'auto' (default: the embedded pair's head/; 'none' = off)",
@@ -96,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--num-draft", args.num_draft), ("--max-batch", args.max_batch)):
         if value < 1:
             raise CLIError(f"{flag} must be at least 1")
+    if not args.sglang_probe_interval > 0:
+        raise CLIError("--sglang-probe-interval must be a positive number of seconds")
     if not 0 <= args.port <= 65535:
         raise CLIError("--port must lie in 0..65535")
     settings = _settings(args)
