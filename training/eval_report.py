@@ -229,10 +229,10 @@ def plots(results: dict, out: Path, verdict: dict | None = None) -> list[Path]:
     return written
 
 
-def _method_style(method: str) -> tuple[str, str]:
-    if method.startswith("learned["):
-        i = abs(hash(method)) % len(ABLATION_COLORS)
-        return ABLATION_COLORS[i], "P"
+def _method_style(method: str, ablations: list[str]) -> tuple[str, str]:
+    """Fixed colours per method; ablation heads (`learned[NAME]`) get distinct ones in order."""
+    if method in ablations:
+        return ABLATION_COLORS[ablations.index(method) % len(ABLATION_COLORS)], "P"
     return COLORS.get(method, "#333"), MARKERS.get(method, "o")
 
 
@@ -241,8 +241,9 @@ def _frontier_panel(ax, res: dict, key: str) -> None:
     from training.frontiers import _hull
 
     groups = frontier_groups(res)
+    ablations = sorted(m for m in groups if m.startswith("learned["))
     for method, pts in sorted(groups.items()):
-        color, marker = _method_style(method)
+        color, marker = _method_style(method, ablations)
         rows = [next(r for r in res["policies"] if r["policy"] == p.name) for p in pts]
         xs = np.array([r[key] for r in rows], float)
         ys = np.array([r["score"] for r in rows], float)

@@ -104,7 +104,9 @@ def analyse(groups: dict[str, list[Point]], axis: str = "acceptance", boot: int 
     out: dict = {"axis": axis, "range": shared_range(groups, axis), "areas": {}, "pairs": {}}
     if out["range"] is not None:
         grid = np.linspace(*out["range"], GRID)
-        vals = np.array([[np.nanmean(c) for c in _curves(groups, s, axis, grid).values()] for s in samples])
+        with warnings.catch_warnings():  # a method with no point in the range has an all-NaN curve
+            warnings.simplefilter("ignore", RuntimeWarning)
+            vals = np.array([[np.nanmean(c) for c in _curves(groups, s, axis, grid).values()] for s in samples])
         for j, name in enumerate(groups):
             out["areas"][name] = {"area": float(vals[0, j]), "se": float(np.nanstd(vals[1:, j], ddof=1))}
     names = list(groups)
