@@ -106,7 +106,8 @@ def analyse(groups: dict[str, list[Point]], axis: str = "acceptance", boot: int 
         grid = np.linspace(*out["range"], GRID)
         with warnings.catch_warnings():  # a method with no point in the range has an all-NaN curve
             warnings.simplefilter("ignore", RuntimeWarning)
-            vals = np.array([[np.nanmean(c) for c in _curves(groups, s, axis, grid).values()] for s in samples])
+            curves = [_curves(groups, s, axis, grid).values() for s in samples]
+            vals = np.array([[np.nanmean(c) for c in per] for per in curves])
         for j, name in enumerate(groups):
             out["areas"][name] = {"area": float(vals[0, j]), "se": float(np.nanstd(vals[1:, j], ddof=1))}
     names = list(groups)
@@ -132,7 +133,7 @@ def _pair(groups, a: str, b: str, axis: str, samples) -> dict:
         mean_diff = np.nanmean(diffs, axis=1)  # [1+boot]
     se = float(np.nanstd(mean_diff[1:], ddof=1))
     point_se = np.nanstd(diffs[1:], axis=0, ddof=1)  # [GRID]
-    worst = float(np.nanmin((diffs[0] + 2 * point_se)))  # < 0: somewhere clearly below
+    worst = float(np.nanmin(diffs[0] + 2 * point_se))  # < 0: somewhere clearly below
     margin = float(mean_diff[0])
     if margin > 2 * se and worst >= 0:
         verdict = f"{a} dominates"

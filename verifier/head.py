@@ -71,7 +71,6 @@ class HeadConfig:
     pair_fingerprint: str = ""  # sha256 over the pair's weight files ("" = unchecked)
     default_dial: float = DEFAULT_AUTO_DIAL  # the dial `quality: "auto"` uses (servers may override)
 
-
     def __post_init__(self):
         if self.inputs not in HEAD_INPUTS:
             raise ValueError(f"HeadConfig.inputs must be one of {HEAD_INPUTS}, got {self.inputs!r}")
