@@ -119,11 +119,23 @@ def test_project_head_directory_loads(pair, tmp_path):
     assert torch.allclose(w, torch.full((2, 3), 0.5))  # a fresh head starts at w = 0.5
 
 
-def head_for_pair_sizes(draft, target):
+def test_heads_that_read_position_stats_are_refused_at_load(pair, tmp_path):
+    """The plugin has no p and q per draft position for the head: refuse, never run without them."""
+    from server.engine.head_store import save_head
+
+    target, draft = pair
+    saved = save_head(head_for_pair_sizes(draft, target, inputs="both"), tmp_path / "head")
+    with pytest.raises(ValueError, match="head_inputs=states"):
+        load_head(str(saved))
+
+
+def head_for_pair_sizes(draft, target, inputs="states"):
     from verifier.head import HeadConfig, WeightHead
 
     return WeightHead(
-        HeadConfig(draft_hidden=draft.config.hidden_size, target_hidden=target.config.hidden_size)
+        HeadConfig(
+            draft_hidden=draft.config.hidden_size, target_hidden=target.config.hidden_size, inputs=inputs
+        )
     )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
@@ -144,6 +145,18 @@ class EmbeddedEngine:
             head=self.head.to(device).eval() if isinstance(self.head, torch.nn.Module) else self.head,
             num_threads=threads,
         )
+
+    def swap_head(self, head: WeightHead | None) -> None:
+        """Serve with another weight head from the next round on: evaluation compares several
+        heads on one loaded pair. Call between batches (a round reads the head once)."""
+        self.config.head = head
+        self.head = head
+        config = getattr(head, "config", None)
+        dial = getattr(config, "default_dial", self.info.auto_dial)
+        self.info = dataclasses.replace(self.info, has_head=head is not None, auto_dial=dial)
+        if self.scheduler is not None:
+            models = self.scheduler.models
+            models.head = head.to(models.device).eval() if isinstance(head, torch.nn.Module) else head
 
     def _resolve_head(self) -> WeightHead | None:
         """The configured head; a directory is loaded with `server.engine.head_store.load_head`, which refuses

@@ -52,7 +52,7 @@ class Row:
         self.weight = float(v.weight)  # static w
         self.dial = v.dial  # the learned head's input, None for static rows
         self.learned = v.learned
-        self.policy = Policy(kind=v.policy, lenience=v.lenience, alpha=v.alpha)
+        self.policy = Policy(v.policy, v.lenience, v.alpha, v.epsilon, v.delta)
         self.stop_ids = frozenset(s.stop_token_ids) | (frozenset() if _ignore_eos(s) else self.eos_ids)
         seed = s.seed if s.seed is not None else random.SystemRandom().getrandbits(63)
         # Each row owns its random stream, so its draws do not depend on who shares the batch.

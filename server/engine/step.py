@@ -34,6 +34,7 @@ from server.engine.kv_cache import KVCache
 from server.engine.llama import Transformer
 from server.engine.row import Row
 from verifier import PolicyBatch, PolicyKind, VerifyResult, logits_to_probs, pick_tokens, verify
+from verifier.head import position_stats, wants_stats
 
 WeightHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -201,7 +202,10 @@ def ensemble_weights(models: Models, b: RoundBatch, d: Drafts, s: Scores):
     weights = b.column([row.weight for row in b.rows], torch.float32).view(-1, 1).expand(r, n).clone()
     idx = b.column(learned)
     dial = b.column([b.rows[i].dial for i in learned], torch.float32)  # [R']
-    w_head = models.head(d.hidden[idx].float(), s.hidden[idx, :n].float(), dial)  # [R', N]
+    inputs = [d.hidden[idx].float(), s.hidden[idx, :n].float(), dial]  # [R', N, Hd], [R', N, Ht], [R']
+    if wants_stats(models.head):  # p and q at the draft positions, after the sampling transform
+        inputs.append(position_stats(s.probs[idx, :n], d.probs[idx]))  # [R', N, 5]
+    w_head = models.head(*inputs)  # [R', N]
     weights[idx] = w_head.to(weights.dtype).clamp(0.0, 1.0)
     return weights, weights.tolist()  # [R, N]
 

@@ -187,8 +187,15 @@ def load_head(path: str) -> Head:
 
     if Path(path).is_dir():
         from server.engine.head_store import load_head as load_weight_head
+        from verifier.head import wants_stats
 
-        return load_weight_head(path)
+        head = load_weight_head(path)
+        if wants_stats(head):  # refused at startup, not served with the statistics missing
+            raise ValueError(
+                f"the head at {path} reads position statistics (inputs={head.config.inputs!r}); the "
+                "SGLang plugin hands heads hidden states only: train one with --set head_inputs=states"
+            )
+        return head
     head = torch.jit.load(path, map_location="cpu")
     head.eval()
     return head
