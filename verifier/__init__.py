@@ -34,6 +34,7 @@ _LAZY = {
     "expected_accepted_length_constant": "verifier.theory",
     "tokens_per_target_forward": "verifier.theory",
     "tv_distance": "verifier.theory",
+    "tv_estimates": "verifier.theory",
 }
 
 __all__ = ["PolicyKind", *_LAZY]

@@ -21,6 +21,17 @@ def tv_distance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return 0.5 * (p - q).abs().sum(dim=-1)
 
 
+def tv_estimates(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One-draw estimates of TV(p, q) from tokens x ~ q: `1 − min(1, p(x)/q(x))`, unbiased since
+    `E_q[min(1, p/q)] = Σ min(p, q) = 1 − TV`. p, q `[B, N, V]`, x `[B, N]` -> `[B, N]`.
+
+    Engines get them from the drafts they verify anyway, at any w (the ensemble's own acceptance
+    `1 − w·(1 − min(1, p/q))` hides TV when w = 0)."""
+    px = p.gather(-1, x.unsqueeze(-1)).squeeze(-1)  # [B, N]
+    qx = q.gather(-1, x.unsqueeze(-1)).squeeze(-1)  # [B, N]
+    return 1.0 - (px / qx.clamp_min(1e-20)).clamp(max=1.0)
+
+
 def expected_acceptance(p: torch.Tensor, q: torch.Tensor, w) -> torch.Tensor:
     """Probability a draft `x ~ q` is accepted against `ν`: `1 − w·TV(p, q)`. `[..., V] -> [...]`."""
     return 1.0 - torch.as_tensor(w, dtype=p.dtype, device=p.device) * tv_distance(p, q)
