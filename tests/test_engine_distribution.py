@@ -102,3 +102,87 @@ def test_two_token_distribution_is_nu(tiny_pair, weight):
         assert dof >= 3, "too few cells for a meaningful test"
         limit = chi2.ppf(1 - 1e-4, dof)
         assert stat < limit, f"position {pos + 1}: chi2={stat:.1f} over {dof} dof exceeds {limit:.1f}"
+
+
+def _sample(tiny_pair, weight, length, num_draft):
+    target_path, draft_path = tiny_pair
+    engine = EmbeddedEngine(
+        EmbeddedEngineConfig(
+            target_path, draft_path, num_draft=num_draft, max_context=64, max_waiting=SAMPLES
+        )
+    )
+    prompt = engine.encode_chat([{"role": "user", "content": "Tom has 12 apples"}])
+
+    async def main():
+        await engine.start()
+        try:
+
+            async def one(seed):
+                req = GenerationRequest(
+                    f"r{seed}",
+                    tuple(prompt),
+                    SamplingOptions(
+                        temperature=TEMPERATURE, top_k=TOP_K, max_tokens=length, seed=seed, ignore_eos=True
+                    ),
+                    VerifyOptions(weight=weight),
+                )
+                chunks = [c async for c in engine.generate(req)]
+                return tuple(t for c in chunks for t in c.token_ids), chunks[-1].stats
+
+            return await asyncio.gather(*[one(1000 + s) for s in range(SAMPLES)])
+        finally:
+            await engine.stop()
+
+    results = asyncio.run(main())
+    assert all(len(o) == length for o, _ in results)
+    return prompt, [o for o, _ in results], [s for _, s in results]
+
+
+def _marginals(tiny_pair, prompt, weight, length, last_from_p=False):
+    """Exact law of each of the first `length` tokens under ν (p at the last one with
+    `last_from_p`: the law the bonus had before it was drawn from ν, for the power check)."""
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
+    draft = AutoModelForCausalLM.from_pretrained(tiny_pair[1]).eval()
+
+    def law(ids, last):
+        p = _next_probs(target, ids)
+        return p if last and last_from_p else weight * p + (1 - weight) * _next_probs(draft, ids)  # [V]
+
+    out, frontier = [], {(): 1.0}
+    for pos in range(length):
+        last, marginal, nxt = pos == length - 1, None, {}
+        for prefix, mass in frontier.items():
+            nu = law([*prompt, *prefix], last)  # [V]
+            marginal = mass * nu if marginal is None else marginal + mass * nu
+            if not last:
+                for y in nu.nonzero().flatten().tolist():
+                    nxt[(*prefix, y)] = mass * float(nu[y])
+        out.append(marginal)
+        frontier = nxt
+    return out
+
+
+def _stat(outputs, pos, marginal):
+    counts = Counter(o[pos] for o in outputs)
+    expected = {t: float(marginal[t]) for t in marginal.nonzero().flatten().tolist()}
+    if not set(counts) <= set(expected):
+        return float("inf"), 1
+    return _chi_square(counts, expected, len(outputs))
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.5])
+def test_bonus_position_is_nu(tiny_pair, weight):
+    """N = 2: the third token is round one's bonus whenever both drafts were accepted (always at
+    w = 0, where ν = q and the output is the draft model's). It follows ν, not p; the power check
+    shows the same test rejects the law the bonus had when it was drawn from p."""
+    prompt, outputs, stats = _sample(tiny_pair, weight, 3, 2)
+    if weight == 0.0:
+        assert all(s.acceptance_rate == 1.0 and s.drafts == 1 for s in stats)
+    for pos, marginal in enumerate(_marginals(tiny_pair, prompt, weight, 3)):
+        stat, dof = _stat(outputs, pos, marginal)
+        assert dof >= 3, "too few cells for a meaningful test"
+        limit = chi2.ppf(1 - 1e-4, dof)
+        assert stat < limit, f"position {pos + 1}: chi2={stat:.1f} over {dof} dof exceeds {limit:.1f}"
+    wrong = _marginals(tiny_pair, prompt, weight, 3, last_from_p=True)[2]
+    stat, dof = _stat(outputs, 2, wrong)
+    assert stat > chi2.ppf(1 - 1e-4, dof), "the test cannot tell ν from p at the bonus position"

@@ -57,7 +57,7 @@ def test_row_labels_drafts_corrections_and_bonus(tokenizer):
     assert len(ids) >= 8
     row, chunks = _row(tokenizer)
     _round(row, ids[:3], 2, [0.1, 0.2, 0.3, 0.4])  # 2 drafts accepted, then the correction
-    _round(row, ids[3:8], 4, [0.5, 0.6, 0.7, 0.8])  # all 4 accepted, then the bonus
+    _round(row, ids[3:8], 4, [0.5, 0.6, 0.7, 0.8, 0.9])  # all 4 accepted, then the bonus from ν
     first, second = (c.provenance for c in chunks)
     assert [(t.source, t.position, t.weight, t.num_draft) for t in first] == [
         ("draft", 0, 0.1, N),
@@ -65,7 +65,9 @@ def test_row_labels_drafts_corrections_and_bonus(tokenizer):
         ("corrected", 2, 0.3, N),
     ]
     assert [t.source for t in second] == ["draft"] * 4 + ["bonus"]
-    assert [t.weight for t in second] == [0.5, 0.6, 0.7, 0.8, None]  # the bonus is drawn from p
+    assert [t.weight for t in second] == [0.5, 0.6, 0.7, 0.8, 0.9]  # the bonus step's w (step.bonus)
+    _round(row, ids[8:13], 4, [0.5] * 4)  # no bonus step (ν = p for it): its w is the row's
+    assert row.weight == 0.5 and chunks[-1].provenance[-1].weight == 0.5
     for chunk in chunks:  # per-token text pieces add up to the chunk's text
         assert "".join(t.text for t in chunk.provenance) == chunk.text
         assert len(chunk.provenance) == len(chunk.token_ids)
@@ -176,7 +178,7 @@ def test_trace_agrees_with_the_response(client, quality):
     trace = choice.model_extra["dialspec_trace"]
     _check_trace(trace, choice.message.content, r.usage, stats)
     for t in trace:
-        assert t["w"] == (quality if t["source"] in ("draft", "corrected") else None)
+        assert t["w"] == quality  # every position, the bonus included (drawn from ν)
         assert t["num_draft"] == N
     if quality == 0:  # w = 0 accepts every draft: nothing is ever corrected
         assert {t["source"] for t in trace} <= {"draft", "bonus"}

@@ -124,7 +124,12 @@ class Row:
                 source = "draft"
             else:
                 source = "corrected" if k < n else "bonus"
-            weight = float(weights[i]) if ensemble and source in ("draft", "corrected") else None
+            if not ensemble or source == "target":
+                weight = None
+            elif source == "bonus":  # drawn from ν at N+1 (step.bonus); w = 1 rows keep p = ν
+                weight = float(weights[i]) if i < len(weights) else self.weight
+            else:
+                weight = float(weights[i])
             out.append(TokenTrace(source, text, weight, i, n))
         return out
 

@@ -196,18 +196,64 @@ def ensemble_weights(models: Models, b: RoundBatch, d: Drafts, s: Scores):
     Static rows pass their w as a float when the group agrees (verify broadcasts it), else `[R]`;
     learned rows get the head's `[R, N]` w_t from their states and dial."""
     r, n = b.size, b.n
-    learned = [i for i, row in enumerate(b.rows) if row.learned]
-    if not learned or n == 0:
+    if not any(row.learned for row in b.rows) or n == 0:
         return _param(b.rows, "weight", b.device), [[row.weight] * n for row in b.rows]
-    weights = b.column([row.weight for row in b.rows], torch.float32).view(-1, 1).expand(r, n).clone()
+    static = b.column([row.weight for row in b.rows], torch.float32).view(-1, 1).expand(r, n)  # [R, N]
+    weights = _learned_weights(models, b, d.hidden, s.hidden[:, :n], s.probs[:, :n], d.probs, static)
+    return weights, weights.tolist()  # [R, N]
+
+
+def _learned_weights(models: Models, b: RoundBatch, h_draft, h_target, p, q, static) -> torch.Tensor:
+    """`static` `[R, T]` with the learned rows' entries replaced by the head's w_t, from the states
+    `[R, T, Hd]`, `[R, T, Ht]` and (for heads that read them) p, q `[R, T, V]` at those positions."""
+    learned = [i for i, row in enumerate(b.rows) if row.learned]
+    weights = static.clone()
+    if not learned:
+        return weights
     idx = b.column(learned)
     dial = b.column([b.rows[i].dial for i in learned], torch.float32)  # [R']
-    inputs = [d.hidden[idx].float(), s.hidden[idx, :n].float(), dial]  # [R', N, Hd], [R', N, Ht], [R']
-    if wants_stats(models.head):  # p and q at the draft positions, after the sampling transform
-        inputs.append(position_stats(s.probs[idx, :n], d.probs[idx]))  # [R', N, 5]
-    w_head = models.head(*inputs)  # [R', N]
+    inputs = [h_draft[idx].float(), h_target[idx].float(), dial]  # [R', T, Hd], [R', T, Ht], [R']
+    if wants_stats(models.head):  # p and q at these positions, after the sampling transform
+        inputs.append(position_stats(p[idx], q[idx]))  # [R', T, 5]
+    w_head = models.head(*inputs)  # [R', T]
     weights[idx] = w_head.to(weights.dtype).clamp(0.0, 1.0)
-    return weights, weights.tolist()  # [R, N]
+    return weights
+
+
+def _needs_q(row: Row) -> bool:
+    """The row's bonus follows ν ≠ p: an ensemble row with a static w < 1 or a learned w_t."""
+    return row.policy.kind == PolicyKind.ENSEMBLE and (row.learned or row.weight < 1.0)
+
+
+def bonus(models: Models, b: RoundBatch, d: Drafts, s: Scores, num_accepted: list[int], tokens, per_position):
+    """Rows whose N drafts were all accepted and whose ν ≠ p redraw their bonus (token N+1) from ν,
+    with the same coin `verify` used for the p draw: one more draft step (feeding x_N) gives q there.
+    Without it the bonus would follow p, and quality 0 would not be pure draft output. w = 1 rows
+    keep the p draw (ν = p, bit-identical). Edits `tokens` and appends the bonus w to
+    `per_position` for the rows it redraws, and returns them (their draft cache now holds x_N)."""
+    n = b.n
+    redraw = [i for i, row in enumerate(b.rows) if n and num_accepted[i] == n and _needs_q(row)]
+    if not redraw:
+        return []
+    # The whole group steps (one batched forward); rows not redrawn ignore the result, and the
+    # KV they wrote past their kept length is overwritten before it is ever read.
+    x_last = d.tokens[:, n - 1 :]  # [R, 1]
+    starts = b.column([len(row.seq) + n - 1 for row in b.rows])  # [R] position of x_N
+    h = models.draft(x_last, b.slots, starts, models.draft_cache, b.contiguous)  # [R, 1, Hd]
+    q = b.probs(models.draft.logits(h[:, 0]))  # [R, V]
+    static = b.column([row.weight for row in b.rows], torch.float32).view(-1, 1)  # [R, 1]
+    p = s.probs[:, n : n + 1]  # [R, 1, V]
+    w = _learned_weights(models, b, h, s.hidden[:, n : n + 1], p, q.unsqueeze(1), static)  # [R, 1]
+    r, vocab = q.shape
+    result = verify(
+        p, q.new_zeros(r, 0, vocab), d.tokens.new_zeros(r, 0), w, bonus_probs=q, greedy=b.greedy,
+        uniforms=b.u_verify[:, n : n + 1], validate=False,
+    )  # fmt: skip
+    drawn, w_list = result.tokens[:, 0].tolist(), w[:, 0].tolist()
+    for i in redraw:
+        tokens[i][n] = drawn[i]
+        per_position[i] = [*per_position[i], w_list[i]]
+    return redraw
 
 
 def check(b: RoundBatch, d: Drafts, s: Scores, weights) -> VerifyResult:
@@ -223,15 +269,18 @@ def check(b: RoundBatch, d: Drafts, s: Scores, weights) -> VerifyResult:
     )  # fmt: skip
 
 
-def advance(b: RoundBatch, num_accepted: list[int], tokens: list[list[int]], weights: list) -> None:
+def advance(
+    b: RoundBatch, num_accepted: list[int], tokens: list[list[int]], weights: list, fed: list[int]
+) -> None:
     """Each row appends its own k + 1 tokens. The target cache keeps pending + k accepted drafts;
-    the draft cache keeps min(k, N − 1) of them (it never consumed its last proposal)."""
-    for row, k, toks, w in zip(b.rows, num_accepted, tokens, weights, strict=True):
+    the draft cache keeps min(k, N − 1) of them (it never consumed its last proposal), or N for
+    the rows in `fed`, whose bonus step consumed x_N."""
+    for i, (row, k, toks, w) in enumerate(zip(b.rows, num_accepted, tokens, weights, strict=True)):
         old_len = len(row.seq)
         row.record_round(k, w)
         row.tlen = old_len + k
         if b.n:
-            row.dlen = old_len + min(k, b.n - 1)
+            row.dlen = old_len + (b.n if i in fed else min(k, b.n - 1))
         row.emit_tokens(toks[: k + 1])
 
 
@@ -249,7 +298,8 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> No
             weights, per_position = ensemble_weights(models, batch, drafts, scores)
             result = check(batch, drafts, scores, weights)
             num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
-        advance(batch, num_accepted, tokens, per_position)
+            fed = bonus(models, batch, drafts, scores, num_accepted, tokens, per_position)
+        advance(batch, num_accepted, tokens, per_position, fed)
 
 
 _PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward (bounds the [R, P, P] mask)

@@ -40,11 +40,12 @@ class TraceToken(BaseModel):
     text: str = Field(description="the part of the choice's text released with this token (may be '')")
     source: Literal["draft", "corrected", "bonus", "target"] = Field(
         description="draft: a draft token the verifier accepted; corrected: drawn from the residual at "
-        "the first rejection; bonus: drawn after all N drafts were accepted; target: autoregressive mode"
+        "the first rejection; bonus: drawn from ν after all N drafts were accepted; target: "
+        "autoregressive mode"
     )
     w: float | None = Field(
         description="ensemble weight applied at this position (static, or the learned head's w_t); "
-        "null for bonus and target tokens and for baseline verifiers"
+        "null for target tokens and for baseline verifiers"
     )
     position: int = Field(description="index in its speculative round (0 = the round's first token)")
     num_draft: int = Field(description="draft length N of its round (0 = autoregressive)")

@@ -206,7 +206,7 @@ class Column {
     span.dataset.source = t.source;
     span.dataset.w = t.w === null ? "" : String(t.w);
     const where = t.source === "target" ? "" : ` · round position ${t.position + 1} (N = ${t.num_draft})`;
-    const w = t.w === null ? "w: none (drawn from p)" : `w = ${t.w.toFixed(3)}`;
+    const w = t.w === null ? "w: none (target or baseline verifier)" : `w = ${t.w.toFixed(3)}`;
     span.dataset.tip = `${SOURCE_TEXT[t.source]}${where} · ${w}`;
     this.output.append(span);
   }
