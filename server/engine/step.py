@@ -1,4 +1,4 @@
-"""One batched decoding round for rows that share a draft length N, as five small stages:
+"""One batched decoding round for rows that share a draft length N, as six small stages:
 
     batch  = RoundBatch.of(rows, n)          per-row tensors: slots, sampling params, greedy, coins
     drafts = draft(models, batch)            N draft forwards: x [R, N], q [R, N, V], h_draft [R, N, Hd]
@@ -6,7 +6,9 @@
                                              p [R, N+1, V], h_target [R, N+1, Ht]
     w      = ensemble_weights(...)           static w per row, or the learned head's w_t [R, N]
     result = check(batch, drafts, scores, w) one `verifier.verify` call for the whole group
-    advance(batch, result, w)                each row appends its k + 1 tokens; caches roll back
+    fed    = bonus(...)                      rows with ν ≠ p that accepted all N: one more draft
+                                             step gives q at N+1; the bonus is redrawn from ν
+    advance(batch, result, w, fed)           each row appends its k + 1 tokens; caches roll back
                                              by length (stale entries are masked, then overwritten)
 
 Autoregressive rows are the N = 0 case of the same path: no draft forwards, a 1-position target
@@ -16,7 +18,8 @@ cost-aware draft lengths plug in; a round only ever sees one N.
 
 Terms
     pending   the tokens a cache has not consumed yet: 1 for the target (the last token), 1 or 2
-              for the draft (2 when every draft of the last round was accepted, see row.py).
+              for the draft (2 when every draft of the last round was accepted without a bonus
+              step, see row.py).
     h_draft   `[R, N, Hd]` final-norm draft states at the positions that produced each draft token.
     h_target  `[R, N+1, Ht]` final-norm target states at the positions scoring each draft token.
 """
