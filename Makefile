@@ -41,7 +41,7 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint deploy-tools $(SGL_STAMP)
+test: lint deploy-tools browser-tools $(SGL_STAMP)
 	$(BIN)/python -m pytest -q
 
 serve: $(STAMP)
@@ -58,3 +58,10 @@ clean:
 .PHONY: deploy-tools
 deploy-tools: $(STAMP)
 	sh deploy/scripts/install-test-tools.sh $(BIN)
+
+# tests/test_playground.py drives Debian's chromium with Playwright (from [dev]; pointed at
+# /usr/bin/chromium, never `playwright install`). Installed once; the test fails, never skips,
+# when the browser is missing.
+.PHONY: browser-tools
+browser-tools: $(STAMP)
+	sh scripts/install-browser-tools.sh $(BIN)/python

@@ -24,3 +24,16 @@ from tests.tiny_pair import make_tiny_pair  # noqa: E402
 def tiny_pair(tmp_path_factory):
     """(target_path, draft_path) of a tiny random-init Llama pair sharing one tokenizer."""
     return make_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))
+
+
+@pytest.fixture(autouse=True)
+def _root_log_handlers():
+    """`dialspec serve` run in-process calls logging.basicConfig, which binds a handler to the
+    test's captured stderr; drop it afterwards so later tests do not log into a closed stream."""
+    import logging
+
+    before = list(logging.root.handlers)
+    yield
+    for handler in logging.root.handlers[:]:
+        if handler not in before:
+            logging.root.removeHandler(handler)

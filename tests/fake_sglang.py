@@ -9,9 +9,14 @@ and `output_ids` are cumulative, then `data: [DONE]\\n\\n`; an error inside a st
 counters computed as SGLang does (proposed = verify rounds × N, accept length = completion /
 rounds).
 
-`FakeRuntime.behavior` picks what the next requests get: "ok", "http500", "http400", "stall"
-(no bytes for `stall_s`), "stream_error" (error after two chunks), "abort" (abort finish before
-output), "cut" (stream ends without finish or [DONE]).
+`FakeRuntime.behavior` picks what the next requests get: "ok" (a runtime with dialspec's plugin
+live: at w = 0 and temperature > 0 every draft is accepted), "stock" (a runtime whose hooks did
+not apply: never every draft accepted), "http500", "http400", "stall" (no bytes for `stall_s`),
+"stream_error" (error after two chunks), "abort" (abort finish before output), "cut" (stream
+ends without finish or [DONE]), "unhealthy" (/health 503), "plain" (not speculative: no spec
+counters). `set_reachable(False)` closes the listening socket (connection refused) and
+`set_reachable(True)` reopens it on the same port.
+`/server_info` returns `server_info` (SGLang's resolved-arguments dict, trimmed).
 """
 
 from __future__ import annotations
@@ -37,17 +42,30 @@ class FakeRuntime:
         self.behavior = "ok"
         self.stall_s = 5.0
         self.requests: list[dict] = []
+        self.server_info: dict = {
+            "speculative_algorithm": "STANDALONE",
+            "speculative_use_rejection_sampling": True,
+            "speculative_num_steps": N_DRAFT,
+            "cuda_graph_config": {"decode": {"backend": "full"}, "prefill": {"backend": "breakable"}},
+        }
         self.app = self._make_app()
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.url = ""
+        self.port = 0
 
     # ------------------------------------------------------------------ protocol
 
     def _meta(self, body: dict, n_out: int, finish) -> dict:
-        rounds = max(1, -(-n_out // 3))  # pretend ~3 tokens per verify round
+        sp = body.get("sampling_params") or {}
+        w = (sp.get("custom_params") or {}).get("dialspec_w", 1.0)
+        if self.behavior == "ok" and w == 0 and sp.get("temperature", 1.0) > 0:
+            rounds = max(1, -(-n_out // (N_DRAFT + 1)))  # ν = q: every draft accepted
+            correct = rounds * N_DRAFT
+        else:
+            rounds = max(1, -(-n_out // 3))  # pretend ~3 tokens per verify round
+            correct = min(max(0, n_out - rounds), rounds * N_DRAFT - 1)  # never all accepted
         proposed = rounds * N_DRAFT
-        correct = max(0, n_out - rounds)
         meta = {
             "id": body.get("rid", "r"),
             "finish_reason": finish,
@@ -55,7 +73,7 @@ class FakeRuntime:
             "completion_tokens": n_out,
             "cached_tokens": 0,
         }
-        if n_out:
+        if n_out and self.behavior != "plain":
             meta.update(
                 spec_accept_rate=correct / proposed,
                 spec_accept_length=n_out / rounds,
@@ -67,16 +85,18 @@ class FakeRuntime:
 
     def _outputs(self, body: dict):
         """Cumulative (text, ids, finish) per step for this request."""
-        max_new = int(body["sampling_params"].get("max_new_tokens", 128))
-        n = min(max_new, len(PIECES))
+        sp = body["sampling_params"]
+        max_new = int(sp.get("max_new_tokens", 128))
+        n = max_new if sp.get("ignore_eos") else min(max_new, len(PIECES))
+        texts = [TEXTS[i % len(TEXTS)] for i in range(n)]
         for i in range(1, n + 1):
             # Cumulative text: a split character shows as U+FFFD until its second token arrives.
-            text = "".join(TEXTS[: i - 1]) + PIECES[i - 1]
+            text = "".join(texts[: i - 1]) + PIECES[(i - 1) % len(PIECES)]
             finish = None
             if i == n:
-                text = "".join(TEXTS[:i])
+                text = "".join(texts[:i])
                 finish = {"type": "length", "length": i} if n == max_new else {"type": "stop", "matched": 2}
-            yield text, list(range(100, 100 + i)), finish
+            yield text, [100 + j % len(PIECES) for j in range(i)], finish
 
     def _make_app(self) -> FastAPI:
         app = FastAPI()
@@ -84,6 +104,10 @@ class FakeRuntime:
         @app.get("/health")
         async def health():
             return JSONResponse({}) if self.behavior != "unhealthy" else JSONResponse({}, status_code=503)
+
+        @app.get("/server_info")
+        async def server_info():
+            return JSONResponse(self.server_info)
 
         @app.post("/generate")
         async def generate(request: Request):
@@ -135,9 +159,10 @@ class FakeRuntime:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> FakeRuntime:
+    def start(self, port: int = 0) -> FakeRuntime:
         sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
         port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
@@ -149,12 +174,21 @@ class FakeRuntime:
                 raise RuntimeError("fake SGLang runtime did not start")
             time.sleep(0.01)
         self.url = f"http://127.0.0.1:{port}"
+        self.port = port
         return self
 
     def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
             self._thread.join(timeout=5)
+            self._server = None
+
+    def set_reachable(self, reachable: bool) -> None:
+        """Close the listening socket (connection refused), or reopen it on the same port."""
+        if reachable and self._server is None:
+            self.start(self.port)
+        elif not reachable:
+            self.stop()
 
 
 def free_port() -> int:

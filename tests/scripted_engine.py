@@ -9,6 +9,8 @@ Speculation is simulated with the ensemble law: each draft position is accepted 
 `SpecStats` are filled exactly as a real engine would. Knobs for tests:
     step_delay     seconds slept per round (make requests slow for disconnect/overload tests)
     fail_next      an EngineError raised before the first chunk of the next request
+    not_ready      a reason `readiness()` reports (None = ready once started)
+    fault          an unrecoverable fault (protocol.engine_fault): the gateway shuts down
     active         request ids generating now;  cancelled  ids closed before finishing
 """
 
@@ -48,11 +50,16 @@ class ScriptedEngine:
             num_draft=num_draft,
             has_head=has_head,
             backend="scripted",
+            max_num_draft=2 * num_draft,
+            vocab_size=256,
+            max_token_bytes=1,  # a token is one byte: exactly bytes tokens
         )
         self.step_delay = step_delay
         self.tv = tv
         self.script_words = script_words
         self.fail_next: EngineError | None = None
+        self.not_ready: str | None = None
+        self.fault: BaseException | None = None
         self.active: set[str] = set()
         self.cancelled: list[str] = []
         self.finished: list[str] = []
@@ -65,6 +72,11 @@ class ScriptedEngine:
 
     async def stop(self) -> None:
         self.stopped = True
+
+    async def readiness(self) -> str | None:
+        if not self.started or self.stopped:
+            return "the scripted engine is not running"
+        return self.not_ready
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return list(prompt.encode("utf-8"))
@@ -160,18 +172,17 @@ class ScriptedEngine:
 
 
 class LiveServer:
-    """A uvicorn server on a random free loopback port, in a thread. `url` is the base URL."""
+    """The gateway's server (listen.make_server) on a random free loopback port, in a thread.
+    `url` is the base URL; `stop()` shuts down as SIGTERM does (drain, then exit)."""
 
     def __init__(self, app, startup_timeout: float = 120.0):
-        import uvicorn
-
-        from server.gateway.listen import tcp_socket
+        from server.gateway.listen import make_server, tcp_socket
 
         self.sock = tcp_socket("127.0.0.1")
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))  # bound here and handed over: no race for the port
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+        self.server = make_server(app, {"log_level": "warning", "timeout_graceful_shutdown": 10})
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + startup_timeout
@@ -180,9 +191,13 @@ class LiveServer:
                 raise RuntimeError("live server failed to start")
             time.sleep(0.02)
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Ask uvicorn to exit (graceful: in-flight requests drain, then the lifespan stops the engine)."""
-        self.server.should_exit = True
+    def begin_stop(self) -> None:
+        """Start the shutdown (as SIGTERM does) without waiting for it."""
+        self.server.begin_shutdown()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Shut down as SIGTERM does: drain, then uvicorn exits and the lifespan stops the engine."""
+        self.begin_stop()
         self.thread.join(timeout)
         self.sock.close()
 

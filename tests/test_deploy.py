@@ -2,8 +2,9 @@
 
 What runs here: the compose files parse (PyYAML) and pass `docker-compose config` with
 deploy/.env.example; every file, image, port and variable they name exists or is documented; the
-Dockerfile's stages, COPY sources and pins; the runtime/router scripts' command lines (SGLang's own
-argument parser when sglang is installed); the Prometheus configs pass `promtool check config`; every
+Dockerfile's stages, COPY sources and pins; the runtime's launch line as compose and k8s configure
+it (`dialspec runtime launch`, the one source of SGLang's flags, checked with SGLang's own argument
+parser) and the router script's; the Prometheus configs pass `promtool check config`; every
 dashboard query is valid PromQL (`promtool check rules`) and every metric name it uses is on a live
 `dialspec serve`'s /metrics; the k8s manifests' selectors, ports and URLs agree.
 
@@ -13,7 +14,6 @@ fails the test with that hint instead of skipping it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -45,6 +45,8 @@ TOOLS_HINT = "run `make deploy-tools` (Debian packages prometheus and docker-com
 
 # Ports the programs inside the containers listen on.
 LISTEN = {"runtime": 30000, "router": 30000, "gateway": 8000, "prometheus": 9090, "grafana": 3000}
+# Every runtime (image CMD, compose, k8s) starts SGLang through the one flag builder.
+RUNTIME_COMMAND = ["dialspec", "runtime", "launch", "--host", "0.0.0.0"]
 METRIC_RE = re.compile(r"\bdialspec:[A-Za-z0-9_:]+")
 VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 
@@ -209,10 +211,16 @@ def test_compose_file_references_exist(kind):
         health = svc.get("healthcheck")
         if name in ("runtime", "router", "gateway"):
             assert health, f"{name}: needs a healthcheck"
-            assert f"http://127.0.0.1:{listen}/health" in " ".join(health["test"])
+            # The gateway's check is readiness (503 while draining, failed or probing: issue 12);
+            # runtimes and the router answer /health.
+            probe = "/ready" if name == "gateway" else "/health"
+            assert f"http://127.0.0.1:{listen}{probe}" in " ".join(health["test"])
         assert svc.get("restart") == "unless-stopped"
 
     gateway_env = services["gateway"]["environment"]
+    # Docker kills after stop_grace_period: it must cover the drain plus uvicorn's 15 s after it.
+    grace = int(services["gateway"]["stop_grace_period"].rstrip("s"))
+    assert grace >= float(gateway_env["DIALSPEC_DRAIN_TIMEOUT_S"]) + 15
     if kind == "gpu":
         runtime = services["runtime"]
         assert runtime["ipc"] == "host"
@@ -220,7 +228,7 @@ def test_compose_file_references_exist(kind):
             {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
         ]
         assert "/root/.cache/huggingface" in " ".join(runtime["volumes"]), "HF cache volume"
-        assert runtime["command"] == ["dialspec-runtime"]
+        assert runtime["command"] == RUNTIME_COMMAND
         assert runtime["environment"]["DIALSPEC_SGLANG_PLUGIN"] == "1"
         assert gateway_env["DIALSPEC_BACKEND"] == "sglang"
         assert gateway_env["DIALSPEC_SGLANG_URL"] == "${DIALSPEC_SGLANG_URL:-http://runtime:30000}"
@@ -311,7 +319,7 @@ def test_dockerfile_stages_and_copy_sources():
         "pyproject.toml",
         "README.md",
         "models/embedded/target/config.json",
-        "deploy/scripts/runtime.sh",
+        "deploy/scripts/router.sh",
     ):
         assert not _dockerignored(needed), f"{needed} must reach the build context"
     for junk in (
@@ -337,9 +345,17 @@ def test_dockerfile_stages_and_copy_sources():
     assert user not in ("root", "0"), "the CPU image runs as a non-root user"
     assert "/health" in cpu["HEALTHCHECK"] and "8000" in cpu["HEALTHCHECK"]
     assert json.loads(cpu["CMD"])[:2] == ["dialspec", "serve"]
-    gpu_body = " ".join(rest for _, rest in stages["gpu"])
-    assert "-c /tmp/image-constraints.txt" in gpu_body and "[sglang]" in gpu_body, "keep the image's torch"
-    assert "/health" in dict(stages["gpu"])["HEALTHCHECK"]
+    gpu = dict(stages["gpu"])
+    install = next(rest for word, rest in stages["gpu"] if word == "RUN" and "pip install" in rest)
+    # The image's sglang is editable (left out of the constraints), so installing the [sglang]
+    # extra could pull a second sglang over it: the gpu image installs dialspec alone, pins every
+    # other package, and checks torch/sglang are untouched and sglang is pyproject's version.
+    assert "-c /tmp/image-constraints.txt -e /opt/dialspec" in install and "[sglang]" not in install
+    assert "--exclude-editable" in install and "diff /tmp/stack-before.txt /tmp/stack-after.txt" in install
+    assert "['optional-dependencies']['sglang']" in install
+    assert "/health" in gpu["HEALTHCHECK"] and json.loads(gpu["CMD"]) == RUNTIME_COMMAND
+    assert "runtime.sh" not in (ROOT / "Dockerfile").read_text()
+    assert not (DEPLOY / "scripts" / "runtime.sh").exists(), "launch flags have one source: runtime_cli"
 
 
 def _run_script(script: str, env: dict[str, str], tmp_path: Path) -> list[tuple[list[str], str | None]]:
@@ -363,66 +379,63 @@ def _run_script(script: str, env: dict[str, str], tmp_path: Path) -> list[tuple[
     return [(c[:-2], c[-1]) for c in calls]  # (argv, DIALSPEC_SGLANG_PLUGIN as the program saw it)
 
 
-def test_runtime_script_builds_the_standalone_command(tmp_path):
-    calls = _run_script(
-        "runtime.sh",
-        {
-            "DIALSPEC_TARGET_MODEL": "/models/target",
-            "DIALSPEC_DRAFT_MODEL": "/models/draft",
-            "DIALSPEC_NUM_DRAFT": "4",
-            "SGLANG_EXTRA_ARGS": "--tp 2",
-        },
-        tmp_path,
-    )
-    assert calls[0][0] == ["-"], "the plugin check runs first"
-    argv, plugin_switch = calls[-1]
-    assert plugin_switch == "1", "the runtime turns dialspec's plugin on"
-    assert argv[:2] == ["-m", "sglang.launch_server"]
-    flags = argv[2:]
-    pairs = dict(zip(flags, flags[1:], strict=False))
-    assert (
-        pairs["--model-path"] == "/models/target"
-        and pairs["--speculative-draft-model-path"] == "/models/draft"
-    )
-    assert pairs["--speculative-algorithm"] == "STANDALONE" and pairs["--speculative-eagle-topk"] == "1"
-    assert pairs["--speculative-num-steps"] == "4" and pairs["--speculative-num-draft-tokens"] == "5"
-    assert "--enable-metrics" in flags and "--speculative-use-rejection-sampling" in flags
-    assert flags[-2:] == ["--tp", "2"]
+def _launch_line(command: list[str], env: dict[str, str], monkeypatch, capsys) -> list[str]:
+    """The SGLang argv `command` (a `dialspec runtime launch ...` line) execs under `env`."""
+    from server import cli
 
-    bad = subprocess.run(
-        ["sh", str(DEPLOY / "scripts" / "runtime.sh")],
-        env={
-            "PATH": "/usr/bin:/bin",
-            "DIALSPEC_TARGET_MODEL": "t",
-            "DIALSPEC_DRAFT_MODEL": "d",
-            "DIALSPEC_NUM_DRAFT": "x",
-        },
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert bad.returncode == 2 and "NUM_DRAFT" in bad.stderr
+    assert command[:3] == ["dialspec", "runtime", "launch"], command
+    for var in list(os.environ):
+        if var.startswith(("DIALSPEC_", "SGLANG_")):
+            monkeypatch.delenv(var)
+    for key, value in env.items():
+        monkeypatch.setenv(key, str(value))
+    assert cli.main(["runtime", "print-command", *command[3:]]) == 0, capsys.readouterr().err
+    words = shlex.split(capsys.readouterr().out)
+    return words[words.index("-m") + 2 :]
 
 
-def test_runtime_flags_parse_with_sglang(tmp_path):
-    """SGLang 0.5.23's own argument parser accepts runtime.sh's command line (where sglang is
-    installed, as on the gpu image and in the plugin's test environment)."""
+def _sglang_parse(flags: list[str]):
     server_args = pytest.importorskip(
-        "sglang.srt.server_args", reason="sglang is not installed: its parser did not check the runtime flags"
+        "sglang.srt.server_args", reason="sglang is not installed: its parser did not check the launch line"
     )
-    env = {
-        "DIALSPEC_TARGET_MODEL": "t",
-        "DIALSPEC_DRAFT_MODEL": "d",
-        "DIALSPEC_NUM_DRAFT": "5",
-        "SGLANG_EXTRA_ARGS": "--tp 2",
-    }
-    argv, _ = _run_script("runtime.sh", env, tmp_path)[-1]
-    parser = argparse.ArgumentParser()
-    server_args.ServerArgs.add_cli_args(parser)
-    parsed = parser.parse_args(argv[2:])
-    assert parsed.speculative_algorithm == "STANDALONE" and parsed.speculative_num_draft_tokens == 6
-    assert parsed.speculative_num_steps == 5 and parsed.speculative_eagle_topk == 1
-    assert parsed.enable_metrics and parsed.speculative_use_rejection_sampling and parsed.tp_size == 2
+    return server_args.prepare_server_args(flags)
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["no-head", "head"])
+def test_compose_runtime_launch_line_parses_with_sglang(head, tmp_path, monkeypatch, capsys):
+    """The runtime service as `docker-compose config` resolves it from .env.example, run through
+    `dialspec runtime print-command`, gives a command line SGLang 0.5.23's own parser accepts."""
+    env = {k: v for k, v in os.environ.items() if k not in _documented_env_vars()}
+    if head:
+        (tmp_path / "head").mkdir()
+        env["HEAD_PATH"] = str(tmp_path / "head")
+    cmd = [*_compose_cmd(), "--project-directory", str(DEPLOY), "-f", str(COMPOSE_FILES["gpu"])]
+    out = subprocess.run(
+        [*cmd, "--env-file", str(ENV_EXAMPLE), "config"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    runtime = yaml.safe_load(out.stdout)["services"]["runtime"]
+    flags = _launch_line(runtime["command"], runtime["environment"], monkeypatch, capsys)
+    parsed = _sglang_parse(flags)
+    example = _env_example()
+    assert parsed.model_path == example["TARGET_MODEL"]
+    assert parsed.speculative_draft_model_path == example["DRAFT_MODEL"]
+    n = int(example["NUM_DRAFT"])
+    assert parsed.speculative_algorithm == "STANDALONE" and parsed.speculative_num_steps == n
+    assert parsed.speculative_num_draft_tokens == n + 1 and parsed.speculative_eagle_topk == 1
+    assert parsed.speculative_use_rejection_sampling and parsed.enable_metrics
+    assert parsed.host == "0.0.0.0" and parsed.port == LISTEN["runtime"]
+    assert parsed.disable_cuda_graph is head  # a head needs every CUDA graph off
+
+
+def test_k8s_runtime_launch_line_parses_with_sglang(monkeypatch, capsys):
+    docs = _k8s_docs()
+    config = docs[("ConfigMap", "dialspec-config")]["data"]
+    (container,) = docs[("StatefulSet", "dialspec-runtime")]["spec"]["template"]["spec"]["containers"]
+    env = {**config, **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e}}
+    parsed = _sglang_parse(_launch_line(container["command"], env, monkeypatch, capsys))
+    assert parsed.model_path == config["DIALSPEC_TARGET_MODEL"] and parsed.port == 30000
+    assert parsed.speculative_num_steps == int(config["DIALSPEC_NUM_DRAFT"]) and parsed.host == "0.0.0.0"
 
 
 def test_router_script(tmp_path):
@@ -674,7 +687,7 @@ def test_k8s_manifests_agree():
 
     runtime = workloads["dialspec-runtime"]
     (rc,) = runtime["spec"]["template"]["spec"]["containers"]
-    assert rc["resources"]["limits"]["nvidia.com/gpu"] == 1 and rc["command"] == ["dialspec-runtime"]
+    assert rc["resources"]["limits"]["nvidia.com/gpu"] == 1 and rc["command"] == RUNTIME_COMMAND
     service = runtime["spec"]["serviceName"]
     assert docs[("Service", service)]["spec"]["clusterIP"] == "None"
     expected = [
@@ -689,6 +702,10 @@ def test_k8s_manifests_agree():
         env["DIALSPEC_BACKEND"] == "sglang" and env["DIALSPEC_SGLANG_URL"] == "http://dialspec-router:30000"
     )
     assert gateway["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert gc["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # Kubernetes kills after terminationGracePeriodSeconds: the drain plus uvicorn's 15 s must fit.
+    grace = gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= float(env["DIALSPEC_DRAIN_TIMEOUT_S"]) + 15
     json.loads(config["DIALSPEC_TIERS"])
 
 

@@ -96,11 +96,13 @@ def test_learned_without_head_is_rejected(tiny_pair):
         asyncio.run(eng.stop())
 
 
-def test_saved_weight_head_loads_and_sets_w(tiny_pair, tmp_path):
-    """A `verifier.head.WeightHead` saved to disk is loaded by path; a fresh head predicts w = 0.5."""
+@pytest.mark.parametrize("inputs", ["states", "both"])
+def test_saved_weight_head_loads_and_sets_w(tiny_pair, tmp_path, inputs):
+    """A `verifier.head.WeightHead` saved to disk is loaded by path; a fresh head predicts w = 0.5
+    (a head reading position stats is handed them by the round)."""
     from server.engine.head_store import head_for_pair, save_head
 
-    save_head(head_for_pair(*tiny_pair, pair_name="tiny-pair"), tmp_path / "head")
+    save_head(head_for_pair(*tiny_pair, pair_name="tiny-pair", inputs=inputs), tmp_path / "head")
     eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_context=64, head=tmp_path / "head"))
     eng.start_sync()
     try:

@@ -8,7 +8,7 @@ import pytest
 
 from server import cli
 from server.engine.head_store import head_for_pair, save_head
-from training.eval_report import frontier_score, verdicts
+from training.eval_report import frontier_groups, verdicts
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def test_eval_writes_every_artefact(tiny_pair, tmp_path, run_cli, capsys):
     results = json.loads((out / "results.json").read_text())
     assert set(results["tasks"]) == {"math", "summary", "code"}
     families = {r["family"] for r in results["tasks"]["math"]["policies"]}
-    assert families == {"ar", "sd", "sd_lossy", "cascade", "static", "learned"}
+    assert families == {"ar", "sd", "sd_lossy", "cascade", "typical", "static", "learned"}
     for task in results["tasks"].values():
         assert 0 <= task["mean_tv"] <= 1
         for row in task["policies"]:
@@ -43,33 +43,51 @@ def test_eval_writes_every_artefact(tiny_pair, tmp_path, run_cli, capsys):
                 assert 0 <= row["acceptance"] <= 1
         w0 = next(r for r in task["policies"] if r["policy"] == "static w=0")
         assert w0["acceptance"] == 1.0  # w = 0: every draft is accepted
+        for row in task["policies"]:  # per-prompt data for the paired bootstrap
+            pp = row["per_prompt"]
+            assert len(pp["scores"]) == len(pp["accepted"]) == len(pp["proposed"]) == 2
     assert set(results["verdict"]) == {"math", "summary", "code"}
+    assert set(results["verdict"]["math"]["goals"]) == {
+        "beats_cascade_at_acceptance", "beats_static_at_acceptance", "not_worse_than_static_at_time"
+    }  # fmt: skip
     table = (out / "table.md").read_text()
-    assert "| method |" in table and "learned d=0.25" in table and "static frontier" in table
+    assert "| method |" in table and "learned d=0.25" in table and "cascade vs learned" in table
 
 
-def test_frontier_score():
-    pts = [(1.0, 0.8), (0.5, 0.6), (0.2, 0.3), (0.6, 0.5)]  # (norm time, score); (0.6, 0.5) is dominated
-    assert frontier_score(pts, 0.5, higher_x_better=False) == pytest.approx(0.6)
-    assert frontier_score(pts, 0.75, higher_x_better=False) == pytest.approx(0.7)
-    assert frontier_score(pts, 0.1, higher_x_better=False) == pytest.approx(0.3)
-    assert frontier_score(pts, 2.0, higher_x_better=False) == pytest.approx(0.8)
-    acc = [(0.2, 0.8), (0.6, 0.6), (1.0, 0.3)]  # (acceptance, score): higher acceptance is better
-    assert frontier_score(acc, 0.4, higher_x_better=True) == pytest.approx(0.7)
-    row = dict(score_se=0.01, acceptance=0.6)
+def _row(family, policy, acc, score, scores, time=1.0):
+    n = len(scores)
+    return dict(
+        family=family, policy=policy, acceptance=acc, score=score, score_se=0.01, norm_time=time,
+        per_prompt={"scores": scores, "accepted": [round(100 * (acc or 0))] * n, "proposed": [100] * n},
+    )  # fmt: skip
+
+
+def test_verdicts_call_a_clearly_better_learned_head():
+    lo, hi = [0.0] * 48 + [1.0] * 48, [1.0] * 90 + [0.0] * 6  # 0.5 vs ~0.94, 96 prompts
     results = {
         "tasks": {
             "t": {
                 "policies": [
-                    dict(row, family="sd", norm_time=1.0, score=0.8, acceptance=0.2),
-                    dict(row, family="static", norm_time=0.2, score=0.3, acceptance=1.0),
-                    dict(row, family="learned", policy="learned d=0.5", norm_time=0.5, score=0.7),
+                    _row("ar", "AR", None, 1.0, [1.0] * 96),
+                    _row("sd", "SD", 0.6, 1.0, [1.0] * 96, 0.8),
+                    _row("static", "static w=0.5", 0.8, 0.5, lo, 0.6),
+                    _row("static", "static w=0", 1.0, 0.2, [0.0] * 77 + [1.0] * 19, 0.5),
+                    _row("cascade", "SpecCascade a=0.5", 0.8, 0.5, lo, 0.6),
+                    _row("cascade", "SpecCascade a=4", 1.0, 0.2, [0.0] * 77 + [1.0] * 19, 0.5),
+                    _row("learned", "learned d=1", 0.6, 1.0, [1.0] * 96, 0.8),
+                    _row("learned", "learned d=0.5", 0.8, 0.94, hi, 0.6),
+                    _row("learned", "learned d=0", 1.0, 0.5, lo, 0.5),
                 ]
             }
         }
     }
-    v = verdicts(results)["t"]
-    assert v["beats_time"] and v["beats_acceptance"] and v["beats_clearly"]
+    groups = frontier_groups(results["tasks"]["t"])
+    assert set(groups) == {"static", "sd_lossy", "cascade", "learned"}  # SD joins static and lossy
+    goals = verdicts(results, boot=100)["t"]["goals"]
+    assert goals == {
+        "beats_cascade_at_acceptance": True, "beats_static_at_acceptance": True,
+        "not_worse_than_static_at_time": True,
+    }  # fmt: skip
 
 
 def test_cli_mistakes_are_one_line_errors(tiny_pair, tmp_path, run_cli, capsys):

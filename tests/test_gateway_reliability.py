@@ -184,3 +184,85 @@ def test_shutdown_drains_in_flight_stream():
     last = json.loads(lines[-2][6:])
     assert last["choices"][0]["finish_reason"] == "length"
     assert engine.stopped and not engine.cancelled
+
+
+def test_shutdown_refuses_new_requests_then_ends_what_outlives_the_grace_period():
+    """SIGTERM semantics (LiveServer.stop drains as the signal does): new and queued requests get
+    503 over HTTP while the listener is open; at the end of the grace period a stream gets a final
+    chunk with finish_reason, the shutting-down error event and [DONE]; a non-stream request a 503
+    error object; the server then exits 0."""
+    engine, app, gw = make(step_delay=0.05, max_running=2, max_waiting=4, drain_timeout_s=1.5)
+    srv = LiveServer(app)
+    lines: list[str] = []
+    plain: list[httpx.Response] = []
+
+    def stream():
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2000}
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines.extend(ln for ln in r.iter_lines() if ln.startswith("data: "))
+
+    def non_stream(max_tokens):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": max_tokens}
+        plain.append(httpx.post(srv.url + "/v1/completions", json=body, timeout=30))
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=non_stream, args=(2000,))]
+    for t in threads:
+        t.start()
+    wait_until(lambda: gw.admission.running == 2, what="two requests running")
+    queued = threading.Thread(target=non_stream, args=(5,))
+    queued.start()
+    wait_until(lambda: gw.admission.waiting_requests == 1, what="one request queued")
+    t0 = time.monotonic()
+    srv.begin_stop()
+    queued.join(5)
+    assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "server_shutting_down"
+    r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 3})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+    assert r.headers["connection"] == "close"
+    ready = httpx.get(srv.url + "/ready")
+    assert ready.status_code == 503 and ready.json()["error"]["code"] == "server_draining"
+    assert httpx.get(srv.url + "/health").status_code == 200  # alive while draining
+
+    for t in threads:
+        t.join(30)
+    srv.thread.join(30)
+    assert 1.5 <= time.monotonic() - t0 < 10
+    assert not srv.thread.is_alive() and srv.server.exit_code == 0
+    cut = plain[1]
+    assert cut.status_code == 503 and cut.json()["error"]["code"] == "server_shutting_down"
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][6:])["error"]
+    assert error["code"] == "server_shutting_down" and "shutting down" in error["message"]
+    usage = json.loads(lines[-3][6:])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] > 0
+    final = json.loads(lines[-4][6:])
+    assert final["choices"][0]["finish_reason"] == "abort" and final["choices"][0]["delta"] == {}
+    assert sorted(engine.cancelled) == sorted(r.request_id for r in engine.requests)  # rows freed
+    assert engine.stopped
+
+
+def test_engine_fault_makes_the_server_exit_nonzero():
+    engine, app, gw = make(step_delay=0.05, drain_timeout_s=5)
+    srv = LiveServer(app)
+    done: list[list[str]] = []
+
+    def stream():
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 30, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+            done.append([ln for ln in r.iter_lines() if ln.startswith("data: ")])
+
+    t = threading.Thread(target=stream)
+    t.start()
+    wait_until(lambda: engine.active, what="stream started")
+    engine.fault = RuntimeError("device lost")
+    wait_until(lambda: gw.failed is not None, what="the gateway to notice")
+    r = httpx.get(srv.url + "/ready")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+    assert "RuntimeError" in r.json()["error"]["message"]
+    r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 3})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+    t.join(30)
+    srv.thread.join(30)
+    assert not srv.thread.is_alive() and srv.server.exit_code == 1
+    assert done[0][-1] == "data: [DONE]"

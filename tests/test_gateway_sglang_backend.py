@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 
+import httpx
 import openai
 
 from tests.fake_sglang import FakeRuntime, free_port
@@ -56,6 +57,17 @@ def test_serve_sglang_backend_from_environment(tiny_pair):
         sent = runtime.requests[-1]["sampling_params"]
         assert abs(sent["custom_params"]["dialspec_w"] - 0.3) < 1e-9
         assert sent["max_new_tokens"] == 6
+        # The backend's limits are refused at the edge, never served as something else.
+        sent_before = len(runtime.requests)
+        for extra, param in (({"verifier": "lossy"}, "verifier"), ({"num_draft": 1}, "num_draft")):
+            try:
+                cli.completions.create(model="gpu-pair", prompt="hi", max_tokens=2, extra_body=extra)
+                raise AssertionError(f"{extra} was served")
+            except openai.BadRequestError as exc:
+                assert exc.body["param"] == param and exc.body["code"] == "unsupported_by_backend", exc.body
+        assert len(runtime.requests) == sent_before
+        ready = httpx.get(match.group(1).removesuffix("/v1") + "/ready", timeout=30)
+        assert ready.status_code == 200, ready.text  # the plugin probe (w = 0 accepts all) passed
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) in (0, 130)

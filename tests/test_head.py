@@ -4,6 +4,7 @@ and that training gradients reach the head and never the frozen pair."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -13,7 +14,7 @@ from server.engine.head_store import CONFIG_FILE, head_for_pair, load_head, pair
 from server.engine.llama import load_model
 from training.rl import TrainConfig, reinforce_pp_loss
 from training.rollout import Rollout, teacher_force
-from verifier.head import HeadConfig, WeightHead
+from verifier.head import HeadConfig, WeightHead, position_stats, wants_stats
 
 
 def _inputs(r=3, n=5, hd=8, ht=12, seed=0):
@@ -118,3 +119,31 @@ def test_gradients_reach_only_the_head(tiny_pair):
     assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in head.parameters())
     for model in (target, draft):
         assert all(p.grad is None and not p.requires_grad for p in model.parameters())
+
+
+def test_position_stats_are_the_confidence_statistics():
+    p = torch.tensor([[0.7, 0.2, 0.1, 0.0]])
+    q = torch.tensor([[0.25, 0.25, 0.25, 0.25]])
+    s = position_stats(p, q)[0]
+    entropy_p = -(0.7 * math.log(0.7) + 0.2 * math.log(0.2) + 0.1 * math.log(0.1))
+    assert s.tolist() == pytest.approx([0.7, 0.25, entropy_p, math.log(4), 0.45], abs=1e-6)
+
+
+@pytest.mark.parametrize("inputs", ["stats", "both"])
+def test_stats_heads_need_stats_and_start_at_half(inputs):
+    head = WeightHead(HeadConfig(8, 12, inputs=inputs))
+    assert wants_stats(head) and head.config.input_width == (5 if inputs == "stats" else 25)
+    hd, ht, dial = _inputs()
+    with pytest.raises(ValueError, match="position stats"):
+        head(hd, ht, dial)
+    stats = torch.rand(3, 5, 5)
+    head.calibrate(hd, ht, stats)
+    assert torch.allclose(head(hd, ht, dial, stats), torch.full((3, 5), 0.5))
+    with torch.no_grad():  # a weight on max p (the first stat) moves w with it
+        head.out.weight[0, head.config.input_width - 5] = 5.0
+    hi, lo = stats.clone(), stats.clone()
+    hi[..., 0], lo[..., 0] = 1.0, 0.0
+    assert bool((head(hd, ht, dial, hi) > head(hd, ht, dial, lo)).all())
+    assert not wants_stats(WeightHead(HeadConfig(8, 12))) and not wants_stats(lambda *a: None)
+    with pytest.raises(ValueError, match="inputs"):
+        HeadConfig(8, 12, inputs="logits")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 
@@ -13,11 +14,15 @@ from server.engine.protocol import (
     Engine,
     EngineError,
     GenerationRequest,
+    ReportsReadiness,
     SamplingOptions,
     VerifyOptions,
+    engine_readiness,
 )
 from server.engine.sglang_client import SGLangEngine, sampling_params_for, stats_from_meta
+from server.engine.sglang_readiness import ProbeConfig, judge_probe
 from tests.fake_sglang import N_DRAFT, FakeRuntime, free_port
+from verifier.dial import WIRE_DIAL, PolicyKind
 
 FULL_TEXT = "Hello world 日本! more text here"
 
@@ -257,3 +262,191 @@ def test_helpers():
     req = _request(weight=0.25, dial=0.25)
     assert sampling_params_for(req)["custom_params"]["dialspec_dial"] == 0.25
     assert stats_from_meta({}, 0.5).acceptance_rate is None
+
+
+# ---------------------------------------------------------------------------- readiness probe
+
+
+async def _started(url, tiny_pair, **kw):
+    engine = _engine(url, tiny_pair, **kw)
+    await engine.start()
+    return engine
+
+
+def test_probe_proves_the_plugin_live_with_a_w0_request(fake, tiny_pair):
+    async def go():
+        engine = await _started(fake.url, tiny_pair)
+        try:
+            return await engine.readiness()
+        finally:
+            await engine.stop()
+
+    assert run(go()) is None
+    body = fake.requests[-1]
+    sp = body["sampling_params"]
+    assert body["stream"] is False and body["rid"].startswith("dialspec-probe-")
+    assert sp["custom_params"]["dialspec_w"] == 0.0 and sp["temperature"] == 1.0
+    assert sp["top_k"] == -1 and sp["top_p"] == 1.0 and sp["ignore_eos"] is True
+    assert sp["max_new_tokens"] == ProbeConfig().tokens
+
+
+@pytest.mark.parametrize(
+    "behavior, match",
+    [
+        ("stock", r"plugin is not live on the SGLang runtime: at w = 0 it accepted \d+ of \d+ drafts"),
+        ("plain", "no speculative counters"),
+        ("http500", "probe failed: SGLang /generate HTTP 500"),
+    ],
+)
+def test_probe_reports_a_runtime_without_the_plugin(fake, tiny_pair, behavior, match):
+    async def go():
+        fake.behavior = behavior
+        engine = await _started(fake.url, tiny_pair)  # start itself succeeds: /health is fine
+        try:
+            return await engine.readiness()
+        finally:
+            await engine.stop()
+
+    reason = run(go())
+    assert reason is not None and re.search(match, reason), reason
+    assert "\n" not in reason
+
+
+def test_probe_is_repeated_and_follows_the_runtime(fake, tiny_pair):
+    """Periodic re-checks: ready -> hooks gone (stock) -> unreachable -> back."""
+
+    async def wait_for(engine, predicate):
+        for _ in range(200):
+            reason = await engine.readiness()
+            if predicate(reason):
+                return reason
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"readiness stuck at {reason!r}")
+
+    async def go():
+        engine = await _started(fake.url, tiny_pair, probe=ProbeConfig(interval=0.05))
+        try:
+            assert await engine.readiness() is None
+            fake.behavior = "stock"
+            stock = await wait_for(engine, lambda r: r is not None)
+            fake.behavior = "ok"
+            fake.set_reachable(False)
+            gone = await wait_for(engine, lambda r: r is not None and "unreachable" in r)
+            fake.set_reachable(True)
+            back = await wait_for(engine, lambda r: r is None)
+            return stock, gone, back
+        finally:
+            fake.set_reachable(True)
+            await engine.stop()
+
+    stock, gone, back = run(go())
+    assert "not live" in stock and "unreachable" in gone and back is None
+
+
+def test_readiness_before_start_and_the_protocol_helper(tiny_pair):
+    engine = _engine("http://x", tiny_pair)
+    assert run(engine.readiness()) == "the SGLang engine is not started"
+    assert isinstance(engine, ReportsReadiness)
+    assert run(engine_readiness(engine)) == "the SGLang engine is not started"
+    assert run(engine_readiness(object())) is None  # engines without a probe are ready
+
+
+@pytest.mark.parametrize(
+    "meta, expected",
+    [
+        ({"spec_num_proposed_drafts": 40, "spec_num_correct_drafts": 40}, None),
+        ({"spec_num_proposed_drafts": 40, "spec_num_correct_drafts": 39}, "accepted 39 of 40"),
+        ({"spec_num_proposed_drafts": 8, "spec_num_correct_drafts": 8}, "inconclusive"),
+        ({}, "no speculative counters"),
+    ],
+)
+def test_judge_probe(meta, expected):
+    got = judge_probe(meta, min_drafts=32)
+    assert got is None if expected is None else expected in got
+
+
+# ---------------------------------------------------------------------------- capabilities
+
+
+def test_capabilities_are_declared_honestly(tiny_pair):
+    info = _engine("http://x", tiny_pair).info
+    assert info.policies == (PolicyKind.ENSEMBLE,) and info.per_request_num_draft is False
+    assert info.num_draft_limit == info.num_draft == N_DRAFT and info.has_head is False
+
+
+@pytest.mark.parametrize(
+    "verify, match",
+    [
+        (dict(policy=PolicyKind.LOSSY), "serves ensemble only, not lossy"),
+        (dict(policy=PolicyKind.CASCADE), "serves ensemble only, not cascade"),
+        (dict(policy=PolicyKind.TYPICAL), "serves ensemble only, not typical"),
+        (dict(num_draft=N_DRAFT + 1), f"fixed N = {N_DRAFT}"),
+        (dict(num_draft=N_DRAFT - 1), f"fixed N = {N_DRAFT}"),
+        (dict(dial=0.5), "no learned head is loaded"),
+    ],
+)
+def test_requests_it_cannot_serve_are_refused_not_dropped(fake, tiny_pair, verify, match):
+    async def go():
+        engine = await _started(fake.url, tiny_pair)
+        sent = len(fake.requests)
+        try:
+            with pytest.raises(EngineError, match=match) as info:
+                await _collect(engine, _request(**verify))
+            return info.value.kind, len(fake.requests) - sent
+        finally:
+            await engine.stop()
+
+    kind, sent = run(go())
+    assert kind == "invalid_request" and sent == 0  # refused before anything reached the runtime
+
+
+def test_the_runtime_n_and_autoregressive_mode_pass(fake, tiny_pair):
+    async def go():
+        engine = await _started(fake.url, tiny_pair)
+        try:
+            a = await _collect(engine, _request(num_draft=N_DRAFT))
+            b = await _collect(engine, _request(mode="autoregressive", policy=PolicyKind.LOSSY))
+            return a[-1].finish_reason, b[-1].finish_reason
+        finally:
+            await engine.stop()
+
+    assert run(go()) == ("stop", "stop")
+
+
+def test_head_setting_is_checked_against_the_runtime(fake, tiny_pair):
+    with pytest.raises(EngineError, match="runs CUDA graphs") as info:
+        run(_engine(fake.url, tiny_pair, has_head=True).start())
+    assert info.value.kind == "unavailable"
+
+    async def go():
+        engine = await _started(fake.url, tiny_pair, has_head=True)
+        try:
+            return await _collect(engine, _request(dial=0.5))
+        finally:
+            await engine.stop()
+
+    graphs = fake.server_info["cuda_graph_config"]
+    fake.server_info["cuda_graph_config"] = {p: {"backend": "disabled"} for p in graphs}
+    try:
+        chunks = run(go())
+    finally:
+        fake.server_info["cuda_graph_config"] = graphs
+    assert chunks[-1].finish_reason == "stop"
+    assert fake.requests[-1]["sampling_params"]["custom_params"][WIRE_DIAL] == 0.5
+
+
+def test_ignore_eos_is_forwarded():
+    req = GenerationRequest("r", (1,), sampling=SamplingOptions(ignore_eos=True))
+    assert sampling_params_for(req)["ignore_eos"] is True
+    assert "ignore_eos" not in sampling_params_for(GenerationRequest("r", (1,)))
+
+
+def test_embedded_engine_declares_its_capabilities(tiny_pair):
+    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+    target, draft = tiny_pair
+    engine = EmbeddedEngine(EmbeddedEngineConfig(target, draft, num_draft=3, max_num_draft=6))
+    info = engine.info
+    assert info.policies == tuple(PolicyKind) and info.per_request_num_draft is True
+    assert info.max_num_draft == 6 and info.has_head is False
+    assert "not started" in run(engine_readiness(engine))  # ready only once its models are loaded

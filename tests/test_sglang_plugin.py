@@ -19,8 +19,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import sys
-import types
+import pkgutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -41,68 +40,23 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     )
 
 import server.sglang_plugin as plugin
-from server.sglang_plugin import args_hook, params, verify_hooks
+from server.sglang_plugin import args_hook, liveness, params, verify_hooks
 from server.sglang_plugin.ensemble import chain_rejection_reference
-
-HEAVY = [
-    "sglang.srt.speculative.eagle_utils",
-    "sglang.srt.speculative.eagle_worker_v2",
-    "sglang.srt.speculative.standalone_worker_v2",
-    "sglang.srt.speculative.eagle_draft_cuda_graph_runner",
-    "sglang.srt.speculative.eagle_worker_common",
-    "sglang.srt.model_executor.model_runner",
-    "sglang.kernels.ops.speculative.reject_sampling",
-]
-
-
-class _Anything:
-    def __init__(self, *a, **k):
-        pass
-
-    def __call__(self, *a, **k):
-        return _Anything()
-
-    def __getattr__(self, name):
-        return _Anything()
-
-    def __mro_entries__(self, bases):
-        return (object,)
-
-
-class _StandInModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Anything()
-
-
-class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path, target=None):
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        mod = _StandInModule(spec.name)
-        mod.__path__ = []
-        return mod
-
-    def exec_module(self, module):
-        pass
+from tests.sglang_cpu import import_heavy
 
 
 @pytest.fixture(scope="module")
 def sglang_heavy():
-    """Import SGLang's speculative modules with torchvision stood in, then withdraw the stand-in."""
-    finder = _TorchvisionStandIn()
-    sys.meta_path.insert(0, finder)
-    try:
-        mods = {name: importlib.import_module(name) for name in HEAVY}
-    finally:
-        sys.meta_path.remove(finder)
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-    return mods
+    """SGLang's speculative modules, imported with torchvision stood in (tests/sglang_cpu.py)."""
+    return import_heavy()
+
+
+@pytest.fixture(autouse=True)
+def fresh_liveness():
+    """Each test starts with no hooks expected (register() records what it registers)."""
+    liveness.expect([])
+    yield
+    liveness.expect([])
 
 
 @pytest.fixture
@@ -142,6 +96,7 @@ def test_active_plugin_registers_through_hook_registry(clean_registry, monkeypat
         verify_hooks.CHAIN_KERNEL: [HookType.AROUND],
         verify_hooks.DRAFT_FORWARD: [HookType.AROUND],
         verify_hooks.GRAPH_VARIANT: [HookType.AROUND],
+        liveness.SCHEDULER_INIT: [HookType.BEFORE],
     }
 
 
@@ -190,11 +145,37 @@ def test_every_hook_target_exists_in_sglang_source():
     assert _target_exists_in_source(plugin.LOAD_MODEL)
 
 
-def test_hooks_apply_to_the_real_functions_and_propagate(sglang_heavy, clean_registry, monkeypatch):
-    """apply_hooks patches every target, including `from X import f` copies in callers."""
+@pytest.fixture
+def restore_targets(sglang_heavy, monkeypatch):
+    """Every hook target (and the `from X import f` copies SGLang holds) restored after the test."""
     eagle_utils = sglang_heavy["sglang.srt.speculative.eagle_utils"]
     common = sglang_heavy["sglang.srt.speculative.eagle_worker_common"]
     rs = sglang_heavy["sglang.kernels.ops.speculative.reject_sampling"]
+    for mod, name in [
+        (eagle_utils, "eagle_sample"),
+        (common, "eagle_sample"),
+        (rs, "chain_speculative_sampling_triton"),
+        (eagle_utils, "chain_speculative_sampling_triton"),
+    ]:
+        monkeypatch.setattr(mod, name, getattr(mod, name))
+    for target in [t for t, _, _ in plugin.hook_specs(params.PluginSettings(enabled=True))] + [
+        liveness.SCHEDULER_INIT,
+        plugin.LOAD_MODEL,
+        plugin.MODEL_FORWARD,
+    ]:
+        owner_path, name = target.rsplit(".", 1)
+        owner = pkgutil.resolve_name(owner_path)
+        raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        monkeypatch.setattr(owner, name, raw)
+    return sglang_heavy
+
+
+def test_hooks_apply_to_the_real_functions_and_propagate(restore_targets, clean_registry, monkeypatch):
+    """apply_hooks patches every target, including `from X import f` copies in callers, and the
+    liveness check then finds every hook live (launcher and scheduler checkpoints pass)."""
+    eagle_utils = restore_targets["sglang.srt.speculative.eagle_utils"]
+    common = restore_targets["sglang.srt.speculative.eagle_worker_common"]
+    rs = restore_targets["sglang.kernels.ops.speculative.reject_sampling"]
     originals = {
         (eagle_utils, "eagle_sample"): eagle_utils.eagle_sample,
         (common, "eagle_sample"): common.eagle_sample,
@@ -202,19 +183,92 @@ def test_hooks_apply_to_the_real_functions_and_propagate(sglang_heavy, clean_reg
         (eagle_utils, "chain_speculative_sampling_triton"): eagle_utils.chain_speculative_sampling_triton,
     }
     monkeypatch.setenv(params.ENV_ENABLE, "1")
-    for (mod, name), fn in originals.items():
-        monkeypatch.setattr(mod, name, fn)  # restored after the test
-    wrk = sglang_heavy["sglang.srt.speculative.eagle_worker_v2"].EagleDraftWorker
-    runner = sglang_heavy["sglang.srt.speculative.eagle_draft_cuda_graph_runner"].EAGLEDraftCudaGraphRunner
-    sh = importlib.import_module("sglang.srt.arg_groups.speculative_hook")
-    monkeypatch.setattr(wrk, "draft_forward", wrk.draft_forward)
-    monkeypatch.setattr(runner, "_sampling_variant", runner._sampling_variant)
-    monkeypatch.setattr(sh, "_handle_eagle_family", sh._handle_eagle_family)
     plugin.register()
+    assert liveness.missing_hooks(liveness._expected) != []  # registered, not yet applied
     clean_registry.apply_hooks()
     assert clean_registry._patched == set(clean_registry._hooks)
     for (mod, name), fn in originals.items():
         assert getattr(mod, name) is not fn and getattr(mod, name).__wrapped__ is fn, f"{mod.__name__}.{name}"
+    assert liveness.missing_hooks(liveness._expected) == []
+    liveness.verify_live("launcher")
+    liveness.scheduler_init_check(object())
+
+
+def _sglang_load_plugins(monkeypatch):
+    """SGLang's own `load_plugins()` (discovery, register(), apply_hooks()), run afresh."""
+    import sglang.srt.plugins as plugins_mod
+
+    monkeypatch.setattr(plugins_mod, "_plugins_loaded", False)
+    monkeypatch.setenv("SGLANG_PLUGINS", "dialspec")
+    plugins_mod.load_plugins()
+
+
+def _scheduler_cls(sglang_heavy):
+    return sglang_heavy["sglang.srt.managers.scheduler"].Scheduler
+
+
+def test_a_hook_that_fails_to_apply_stops_the_scheduler(restore_targets, clean_registry, monkeypatch, caplog):
+    """The silent no-op: SGLang logs the failed patch and carries on; our checkpoint does not."""
+    monkeypatch.setenv(params.ENV_ENABLE, "1")
+    monkeypatch.setattr(verify_hooks, "EAGLE_SAMPLE", "sglang.srt.speculative.eagle_utils.no_such_function")
+    with caplog.at_level("ERROR"):
+        _sglang_load_plugins(monkeypatch)  # returns normally: SGLang swallowed the failure
+    assert "Failed to apply hooks to sglang.srt.speculative.eagle_utils.no_such_function" in caplog.text
+    scheduler = _scheduler_cls(restore_targets)
+    with pytest.raises(liveness.HooksNotLive) as info:
+        scheduler.__init__(scheduler.__new__(scheduler), None, None)  # the real, patched __init__
+    message = str(info.value)
+    assert message.startswith("dialspec SGLang plugin (scheduler): hooks not live") and "\n" not in message
+    assert "eagle_utils.no_such_function (cannot resolve" in message
+
+
+@pytest.mark.parametrize("damage", ["unpatched", "stale_copy"])
+def test_launcher_checkpoint_refuses_hooks_that_are_not_live(
+    restore_targets, clean_registry, stock_handler, tiny_pair, monkeypatch, damage
+):
+    monkeypatch.setenv(params.ENV_ENABLE, "1")
+    _sglang_load_plugins(monkeypatch)
+    _hooked(stock_handler)(_args(tiny_pair))  # all live: the real resolver passes
+    eagle_utils = restore_targets["sglang.srt.speculative.eagle_utils"]
+    common = restore_targets["sglang.srt.speculative.eagle_worker_common"]
+    original = eagle_utils.eagle_sample.__wrapped__
+    if damage == "unpatched":
+        monkeypatch.setattr(eagle_utils, "eagle_sample", original)
+        monkeypatch.setattr(common, "eagle_sample", original)
+        expected = "eagle_utils.eagle_sample (not patched)"
+    else:  # a `from eagle_utils import eagle_sample` copy the propagation missed
+        monkeypatch.setattr(common, "eagle_sample", original)
+        expected = "unpatched copies in sglang.srt.speculative.eagle_worker_common.eagle_sample"
+    with pytest.raises(liveness.HooksNotLive, match="launcher") as info:
+        _hooked(stock_handler)(_args(tiny_pair))
+    assert expected in str(info.value)
+
+
+def test_setup_errors_stop_startup_instead_of_being_swallowed(
+    clean_registry, stock_handler, tiny_pair, monkeypatch
+):
+    monkeypatch.setenv(params.ENV_ENABLE, "1")
+    monkeypatch.setenv(params.ENV_DEFAULT_W, "2")
+    plugin.register()  # would be swallowed by load_plugins if it raised
+    assert set(clean_registry._hooks) == {args_hook.TARGET, liveness.SCHEDULER_INIT}
+    ((_, hook, _),) = clean_registry._hooks[args_hook.TARGET]
+    with pytest.raises(liveness.HooksNotLive, match=r"setup failed: DIALSPEC_DEFAULT_W='2'"):
+        hook(stock_handler, _args(tiny_pair))
+    with pytest.raises(liveness.HooksNotLive, match="setup failed"):
+        liveness.scheduler_init_check(object())
+
+    clean_registry._hooks.clear()
+    monkeypatch.setenv(params.ENV_HEAD_PATH, "/no/such/head.pt")
+    monkeypatch.setenv(params.ENV_DEFAULT_W, "0.5")
+    plugin.register()
+    with pytest.raises(liveness.HooksNotLive, match="setup failed: .*no/such/head.pt"):
+        liveness.verify_live("launcher")
+
+    clean_registry._hooks.clear()
+    monkeypatch.delenv(params.ENV_ENABLE)
+    monkeypatch.setenv(params.ENV_DEFAULT_W, "2")
+    plugin.register()  # plugin off: a bad w is not its business
+    assert dict(clean_registry._hooks) == {}
 
 
 # ---------------------------------------------------------------------------- argument hook
@@ -411,9 +465,41 @@ def test_reference_kernel_agrees_with_sglang_triton_signature(sglang_heavy):
     assert callable(chain_rejection_reference)
 
 
-def test_arg_hook_refuses_learned_head_with_cuda_graphs(stock_handler, tiny_pair, monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "flags, still_on",
+    [
+        ({}, "decode, prefill"),
+        ({"disable_decode_cuda_graph": True}, "prefill"),  # the breakable prefill graph stays on
+        ({"disable_prefill_cuda_graph": True}, "decode"),
+        ({"disable_cuda_graph": True}, None),
+        ({"cuda_graph_backend_decode": "disabled", "cuda_graph_backend_prefill": "disabled"}, None),
+        ({"disable_cuda_graph": True, "cuda_graph_backend_decode": "full"}, "decode"),  # SGLang's precedence
+    ],
+)
+@pytest.mark.parametrize("resolved", [False, True], ids=["raw-flags", "resolved-config"])
+def test_learned_head_needs_every_cuda_graph_off(
+    stock_handler, tiny_pair, monkeypatch, tmp_path, flags, still_on, resolved
+):
+    """Forward hooks do not run on graph replay: decode (draft, draft-extend, verify) and
+    prefill (breakable) graphs must all be off. Checked on raw flags and on the config SGLang's
+    own `parse_cuda_graph_config` resolves (which runs before the speculative handler)."""
+    from sglang.srt.arg_groups.cuda_graph_hook import parse_cuda_graph_config
+    from sglang.srt.arg_groups.overrides import resolving_view
+
     monkeypatch.setenv(params.ENV_ENABLE, "1")
     monkeypatch.setenv(params.ENV_HEAD_PATH, str(tmp_path))
-    with pytest.raises(args_hook.DialspecConfigError, match="disable-decode-cuda-graph"):
-        _hooked(stock_handler)(_args(tiny_pair))
-    _hooked(stock_handler)(_args(tiny_pair, disable_decode_cuda_graph=True))
+    args = _args(tiny_pair, **flags)
+    if resolved:
+        import sglang.srt.model_executor.cuda_graph_config as graph_config
+
+        # SGLang's default prefill backend is "breakable" on CUDA and "disabled" elsewhere.
+        monkeypatch.setattr(graph_config, "default_prefill_backend", lambda: "breakable")
+        parse_cuda_graph_config(args)
+        assert hasattr(resolving_view(args).cuda_graph_config, "prefill")  # the resolved object
+    if still_on is None:
+        _hooked(stock_handler)(args)
+    else:
+        with pytest.raises(
+            args_hook.DialspecConfigError, match=f"--disable-cuda-graph.*still on: {still_on}$"
+        ):
+            _hooked(stock_handler)(args)

@@ -9,11 +9,13 @@ import torch
 from server.engine.head_store import load_head
 from training.rl import (
     TrainConfig,
+    cascade_targets,
     lr_factor,
     normalised_advantages,
     regulariser,
     sample_dials,
     update_step,
+    warm_start,
 )
 from training.rollout import Forced
 from training.trainer import Trainer
@@ -76,10 +78,22 @@ def test_training_improves_objective_deterministically_and_resumes(tiny_pair, tm
 def _fake_batch(b=6, t=10, hd=4, ht=6, seed=0) -> Forced:
     g = torch.Generator().manual_seed(seed)
     p = torch.rand(b, t, generator=g)
+    tv = torch.rand(b, t, generator=g) * 0.6
+    stats = torch.stack(
+        [
+            torch.rand(b, t, generator=g),
+            torch.rand(b, t, generator=g),
+            torch.rand(b, t),
+            torch.rand(b, t),
+            tv,
+        ],
+        -1,
+    )
     return Forced(
         p_tok=p,
         q_tok=torch.rand(b, t, generator=g),
-        tv=torch.rand(b, t, generator=g) * 0.6,
+        tv=tv,
+        stats=stats,
         h_draft=torch.randn(b, t, hd, generator=g),
         h_target=torch.randn(b, t, ht, generator=g),
         mask=torch.ones(b, t, dtype=torch.bool),
@@ -127,3 +141,35 @@ def test_budget_anchors():
         cfg = TrainConfig(budget=budget, lambda_min=0.0, lambda_max=0.0)
         assert torch.allclose(regulariser(w, forced, dial, cfg), torch.zeros(2), atol=1e-6)
         assert bool((regulariser(w * 0.5, forced, dial, cfg) < 0).all())
+
+
+def test_cascade_targets_spend_the_dial_budget_where_a_cascade_would():
+    forced = _fake_batch(b=8, t=50, seed=2)
+    dial = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 0.25, 0.5, 0.75])
+    target = cascade_targets(forced, dial, alpha=0.5)
+    assert set(target.unique().tolist()) <= {0.0, 1.0}
+    s = forced.stats
+    u = s[..., 0] - s[..., 1] - 0.5 * s[..., 4]  # [B, T] the cascade's deferral score
+    for d in dial.unique().tolist():
+        rows = dial == d
+        assert abs(float(target[rows].mean()) - d) <= 0.03  # budget: a fraction d of positions defer
+        if 0 < d < 1:  # and they are the ones with the largest u
+            assert float(u[rows][target[rows] == 1].min()) >= float(u[rows][target[rows] == 0].max())
+
+
+def test_cascade_warm_start_teaches_a_stats_head_the_cascade_rule():
+    torch.manual_seed(0)
+    forced = _fake_batch(b=8, t=40, seed=3)
+    head = WeightHead(HeadConfig(4, 6, inputs="stats"))
+    head.calibrate(forced.h_draft, forced.h_target, forced.stats)
+    cfg = TrainConfig(dials=(0.25, 0.5, 0.75), warm_start_steps=300, warm_start_lr=5e-2)
+    assert warm_start(head, forced, cfg)[0] == "cascade"
+    s = forced.stats
+    u = (s[..., 0] - s[..., 1] - 0.5 * s[..., 4]).flatten()
+    for d in cfg.dials:
+        with torch.no_grad():
+            w = head(forced.h_draft, forced.h_target, torch.full((8,), d), forced.stats).flatten()
+        assert abs(float(w.mean()) - d) < 0.08  # the budget
+        assert float(torch.corrcoef(torch.stack([w, u]))[0, 1]) > 0.8  # the ranking
+    with pytest.raises(ValueError, match="position stats"):
+        warm_start(WeightHead(HeadConfig(4, 6)), forced, TrainConfig(warm_start="cascade"))

@@ -54,6 +54,26 @@ def _floats(text: str) -> tuple[float, ...]:
     return values
 
 
+def _positive(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
+    if not values or any(not v >= 0.0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers >= 0, got {text!r}")
+    return values
+
+
+def _named_dirs(text: str) -> dict[str, str]:
+    out = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, path = part.partition("=")
+        if not sep or not name or not path or "[" in name or name in out:
+            raise argparse.ArgumentTypeError(f"expected NAME=DIR pairs with distinct names, got {part!r}")
+        out[name] = path
+    return out
+
+
 def _tasks(text: str) -> tuple[str, ...]:
     from training.tasks import TASKS
 
@@ -91,12 +111,19 @@ def register(subparsers) -> None:
     _pair_args(e)
     e.add_argument("--head", default=DEFAULT_HEAD, help="learned head directory ('none' to skip)")
     e.add_argument("--out", default="runs/eval", help="output directory (JSON, markdown, PNG, SVG)")
-    e.add_argument("--limit", type=int, default=None, help="prompts per task (default 16; --quick 6)")
+    e.add_argument("--limit", type=int, default=None, help="prompts per task (default 96; --quick 6)")
     e.add_argument("--tasks", type=_tasks, default=None)
     e.add_argument("--split", choices=("train", "dev", "test"), default="test")
     e.add_argument("--max-tokens", type=int, default=None)
     e.add_argument("--w-sweep", type=_floats, default=None, help="static weights (w = 1 is the SD row)")
+    e.add_argument("--lenience-sweep", type=_floats, default=None, help="SD lossy lenience values")
+    e.add_argument("--alpha-sweep", type=_positive, default=None, help="SpecCascade α values (>= 0)")
+    e.add_argument("--typical-sweep", type=_positive, default=None, help="scales of Medusa's (ε, δ)")
     e.add_argument("--dials", type=_floats, default=None, help="dial points for the learned head")
+    e.add_argument(
+        "--ablation-heads", type=_named_dirs, default=None, metavar="NAME=DIR,...",
+        help="more heads to evaluate beside --head, reported as learned[NAME]",
+    )  # fmt: skip
     e.add_argument("--quick", action="store_true", help="a small, fast slice (6 prompts, fewer points)")
     e.add_argument(
         "--dtype",
@@ -166,15 +193,17 @@ def run_eval_cmd(args) -> int:
     from training.policy_eval import EvalConfig, run_eval
 
     target, draft, name = resolve_pair(args)
-    head = None
     head_path = None if args.head in (None, "", "none") else args.head
-    if head_path:
+    paths = ({"": head_path} if head_path else {}) | dict(args.ablation_heads or {})
+    heads = {}
+    if paths:
         from server.engine.head_store import load_head
 
-        try:
-            head = load_head(head_path, name, target_path=target, draft_path=draft)
-        except (FileNotFoundError, ValueError) as exc:
-            raise CLIError(f"{exc} (or pass --head none)") from exc
+        for key, path in paths.items():
+            try:
+                heads[key] = load_head(path, name, target_path=target, draft_path=draft)
+            except (FileNotFoundError, ValueError) as exc:
+                raise CLIError(f"{exc} (or pass --head none)") from exc
     cfg = EvalConfig(
         target_path=target,
         draft_path=draft,
@@ -185,12 +214,16 @@ def run_eval_cmd(args) -> int:
     )
     if args.quick:
         cfg.limit, cfg.max_tokens, cfg.w_sweep, cfg.dials = 6, 48, (0.0, 0.5), (0.25, 0.75)
+        cfg.lenience_sweep, cfg.alpha_sweep, cfg.typical_sweep = (0.25,), (0.5, 2.0), (1.0,)
     for key, value in (
         ("limit", args.limit),
         ("tasks", args.tasks),
         ("split", args.split),
         ("max_tokens", args.max_tokens),
         ("w_sweep", args.w_sweep),
+        ("lenience_sweep", args.lenience_sweep),
+        ("alpha_sweep", args.alpha_sweep),
+        ("typical_sweep", args.typical_sweep),
         ("dials", args.dials),
     ):
         if value is not None:
@@ -207,7 +240,8 @@ def run_eval_cmd(args) -> int:
             flush=True,
         )
 
-    results = run_eval(cfg, head=head, progress=progress)
-    paths = write_report(results, args.out)
-    print(f"eval done in {time.perf_counter() - t0:.0f}s; wrote {', '.join(str(p) for p in paths.values())}")
+    results = run_eval(cfg, heads=heads, progress=progress)
+    results["wall_s"] = round(time.perf_counter() - t0, 1)
+    written = write_report(results, args.out)
+    print(f"eval done in {results['wall_s']:.0f}s; wrote {', '.join(str(p) for p in written.values())}")
     return 0

@@ -1,18 +1,17 @@
-"""Artefacts of `dialspec eval`: JSON, the paper's Table 1 in markdown, the two plots, the verdict.
+"""Artefacts of `dialspec eval`: JSON, the paper's Table 1 in markdown, frontier plots, verdicts.
 
-Terms
-    static frontier  the upper envelope of the static-ensemble points (w sweep plus SD, w = 1) in the
-                     plane (x, task score); between two points it is the straight line (mixing
-                     two static policies request by request achieves it), beyond the ends it is
-                     flat. x is normalised time (lower is better) or acceptance rate (higher is
-                     better; immune to CPU-timing noise).
-    theory lines     per position a draft is accepted with β = 1 − w·TV(p, q); the acceptance
-                     *rate* (accepted / proposed, stopping at the first rejection) is then
-                     `Σ_{k=1..N} β^k / N` with β at the mean TV. Real TV is uneven across
-                     positions (mostly ~0, sometimes ~1), so measured rates sit below this curve.
-    margin           learned score minus the frontier's score at the learned point's x. A learned
-                     point "beats the static frontier" when its margin is > 0 (reported with the
-                     score's standard error: on a small slice a margin below ~2 SE is noise).
+Terms (the frontier math, areas and dominance are defined in `training/frontiers.py`)
+    method        static (w sweep, with SD as w = 1), sd_lossy (lenience sweep, with SD as l = 1),
+                  cascade (SpecCascade α sweep), typical (Medusa thresholds), learned (the head's
+                  dial sweep) and learned[<name>] (ablation heads). AR has no acceptance: it is a
+                  reference point on the time axis only.
+    theory lines  per position a draft is accepted with β = 1 − w·TV(p, q); the acceptance
+                  *rate* (accepted / proposed, stopping at the first rejection) is then
+                  `Σ_{k=1..N} β^k / N` with β at the mean TV. Real TV is uneven across
+                  positions (mostly ~0, sometimes ~1), so measured rates sit below this curve.
+    goals         per task, from the pairwise verdicts: does the learned head's frontier dominate
+                  SpecCascade's and the static one at matched acceptance, and is it no worse than
+                  static at matched normalised time (not dominated by it)?
 """
 
 from __future__ import annotations
@@ -20,81 +19,53 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
+from training.frontiers import Point, analyse
 from verifier.theory import expected_accepted_length_constant
 
-
-def frontier_score(points: list[tuple[float, float]], x: float, higher_x_better: bool) -> float:
-    """Score of the static frontier at `x`; `points` are (x, score) pairs."""
-    pts = [(-px if higher_x_better else px, s) for px, s in points]
-    xq = -x if higher_x_better else x
-    pts.sort()
-    # Pareto set: as cost grows, keep only points that raise the best score so far.
-    front, best = [], float("-inf")
-    for px, s in pts:
-        if s > best:
-            front.append((px, s))
-            best = s
-    if xq <= front[0][0]:
-        return front[0][1]  # cheaper than any static policy: must match the cheapest one's score
-    for (x0, s0), (x1, s1) in zip(front, front[1:], strict=False):
-        if x0 <= xq <= x1:
-            return s0 + (s1 - s0) * (xq - x0) / (x1 - x0) if x1 > x0 else max(s0, s1)
-    return front[-1][1]
+BASELINES = ("static", "sd_lossy", "cascade", "typical")
+COLORS = {"static": "#1f77b4", "sd_lossy": "#2ca02c", "cascade": "#9467bd", "typical": "#8c564b",
+          "learned": "#d62728", "ar": "#555555"}  # fmt: skip
+ABLATION_COLORS = ("#ff7f0e", "#e377c2", "#17becf", "#bcbd22")
+MARKERS = {"static": "o", "sd_lossy": "^", "cascade": "D", "typical": "v", "learned": "*", "ar": "s"}
 
 
-def _envelope(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Pareto points (lower x, higher score) sorted by x, extended flat to the largest x."""
-    front, best = [], float("-inf")
-    for x, sc in sorted(points):
-        if sc > best:
-            front.append((x, sc))
-            best = sc
-    xmax = max(x for x, _ in points)
-    return front + ([(xmax, best)] if front[-1][0] < xmax else [])
+def frontier_groups(task_res: dict) -> dict[str, list[Point]]:
+    """method -> its points (SD joins static and lossy as their strict end); AR left out."""
+    groups: dict[str, list[Point]] = {}
+    for r in task_res["policies"]:
+        fam = r["family"]
+        if fam == "ar" or r["acceptance"] is None:
+            continue
+        pp = r["per_prompt"]
+        point = Point(fam, r["policy"], np.array(pp["scores"], float), np.array(pp["accepted"], float),
+                      np.array(pp["proposed"], float), r["norm_time"])  # fmt: skip
+        for method in ("static", "sd_lossy") if fam == "sd" else (fam,):
+            groups.setdefault(method, []).append(point)
+    return groups
 
 
-def verdicts(results: dict) -> dict:
-    """Per task: each learned point's margins over the static frontier (time and acceptance axes)."""
+def verdicts(results: dict, boot: int = 400) -> dict:
+    """Per task: frontier areas and pairwise verdicts on both axes, and the learned head's goals."""
     out = {}
     for task, res in results["tasks"].items():
-        rows = res["policies"]
-        static = [r for r in rows if r["family"] in ("static", "sd")]
-        learned = [r for r in rows if r["family"] == "learned"]
-        if not learned or len(static) < 1:
-            continue
-        by_time = [(r["norm_time"], r["score"]) for r in static]
-        by_acc = [(r["acceptance"], r["score"]) for r in static]
-        points = []
-        for r in learned:
-            mt = r["score"] - frontier_score(by_time, r["norm_time"], higher_x_better=False)
-            ma = r["score"] - frontier_score(by_acc, r["acceptance"], higher_x_better=True)
-            points.append(
-                {
-                    "policy": r["policy"],
-                    "margin_time": mt,
-                    "margin_acceptance": ma,
-                    "score_se": r["score_se"],
-                }
-            )
-        out[task] = {
-            "points": points,
-            "beats_time": any(p["margin_time"] > 0 for p in points),
-            "beats_acceptance": any(p["margin_acceptance"] > 0 for p in points),
-            "clear_time": any(p["margin_time"] > 2 * p["score_se"] for p in points),
-            "clear_acceptance": any(p["margin_acceptance"] > 2 * p["score_se"] for p in points),
-        }
-        out[task]["beats_clearly"] = out[task]["clear_time"] and out[task]["clear_acceptance"]
+        groups = frontier_groups(res)
+        acc, time_ = analyse(groups, "acceptance", boot), analyse(groups, "time", boot)
+        entry = {"acceptance": acc, "time": time_}
+        if "learned" in groups:
+            entry["goals"] = {
+                "beats_cascade_at_acceptance": _verdict(acc, "learned", "cascade") == "learned dominates",
+                "beats_static_at_acceptance": _verdict(acc, "learned", "static") == "learned dominates",
+                "not_worse_than_static_at_time": _verdict(time_, "learned", "static") != "static dominates",
+            }
+        out[task] = entry
     return out
 
 
-def _axis_word(v: dict, axis: str) -> str:
-    """One axis' verdict in words: beats by > 2 SE, above within noise, or not above."""
-    where = "at equal normalised time" if axis == "time" else "at equal acceptance"
-    if v[f"clear_{axis}"]:
-        return f"{where} the learned head BEATS the static frontier (> 2 SE)"
-    if v[f"beats_{axis}"]:
-        return f"{where} the learned head is above the frontier but within 2 SE (not significant)"
-    return f"{where} the learned head does not beat the frontier"
+def _verdict(analysis: dict, a: str, b: str) -> str | None:
+    pair = analysis["pairs"].get(f"{a} vs {b}") or analysis["pairs"].get(f"{b} vs {a}")
+    return None if pair is None else pair["verdict"]
 
 
 def _pct(x) -> str:
@@ -130,29 +101,64 @@ def markdown(results: dict, verdict: dict) -> str:
             mw = "–" if r["mean_w"] is None else f"{r['mean_w']:.3f}"
             cells += [f"{r['tokens_per_s']:.1f}", f"{r['norm_time']:.3f}", mw]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "## Learned head vs the static frontier", ""]
+    lines += ["", "## Frontiers (paired bootstrap over prompts; definitions in training/frontiers.py)", ""]
     for t in task_names:
-        res = results["tasks"][t]
-        tv = res["mean_tv"]
-        lines.append(
-            f"- **{t}** ({res['prompts']} prompts, mean TV(p, q) = {tv:.3f}):"
-            if tv is not None
-            else f"- **{t}**:"
-        )
-        v = verdict.get(t)
-        if v is None:
-            lines.append("  no learned head evaluated.")
-            continue
-        for p in v["points"]:
-            lines.append(
-                f"  - {p['policy']}: score margin {p['margin_time']:+.3f} at equal normalised time, "
-                f"{p['margin_acceptance']:+.3f} at equal acceptance (score SE {p['score_se']:.3f})"
-            )
-        lines.append(f"  - verdict: {_axis_word(v, 'time')}; {_axis_word(v, 'acceptance')}.")
+        lines += _frontier_section(t, results["tasks"][t], verdict[t])
+    if "wall_s" in results:
+        lines.append(f"Run time: {results['wall_s']:.0f} s.")
     return "\n".join(lines) + "\n"
 
 
-def plots(results: dict, out: Path) -> list[Path]:
+def _flip(rng, axis: str):
+    """Ranges on the time axis are stored as −norm_time; show them as normalised time."""
+    return rng if rng is None or axis == "acceptance" else (-rng[1], -rng[0])
+
+
+def _frontier_section(task: str, res: dict, v: dict) -> list[str]:
+    tv = res["mean_tv"]
+    title = f"### {task} ({res['prompts']} prompts" + (
+        f", mean TV(p, q) = {tv:.3f})" if tv is not None else ")"
+    )
+    lines = [title, ""]
+    for axis, label in (("acceptance", "acceptance"), ("time", "normalised time")):
+        a = v[axis]
+        rng = _flip(a["range"], axis)
+        where = (
+            "(no shared range)" if rng is None else f"over the shared {label} range {rng[0]:.3f}–{rng[1]:.3f}"
+        )
+        lines += [f"Mean frontier score {where}:", "", "| method | mean score | SE |", "|---|---|---|"]
+        for m, area in sorted(a["areas"].items(), key=lambda kv: -kv[1]["area"]):
+            lines.append(f"| {m} | {area['area']:.3f} | {area['se']:.3f} |")
+        lines += [
+            "",
+            f"Pairwise at matched {label} (mean frontier difference over each pair's shared range):",
+        ]
+        lines += ["", "| pair | range | mean diff | SE | verdict |", "|---|---|---|---|---|"]
+        for name, pair in a["pairs"].items():
+            r = _flip(pair["range"], axis)
+            if r is None:
+                lines.append(f"| {name} | – | – | – | no overlap |")
+            else:
+                diff, se = f"{pair['mean_diff']:+.3f}", f"{pair['se']:.3f}"
+                lines.append(f"| {name} | {r[0]:.3f}–{r[1]:.3f} | {diff} | {se} | {pair['verdict']} |")
+        lines.append("")
+    if "goals" in v:
+        g = v["goals"]
+        lines += [
+            "Goals for the learned head: dominates SpecCascade at matched acceptance: "
+            f"**{_yes(g['beats_cascade_at_acceptance'])}**; dominates static at matched acceptance: "
+            f"**{_yes(g['beats_static_at_acceptance'])}**; no worse than static at matched time: "
+            f"**{_yes(g['not_worse_than_static_at_time'])}**.",
+            "",
+        ]
+    return lines
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def plots(results: dict, out: Path, verdict: dict | None = None) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,9 +166,7 @@ def plots(results: dict, out: Path) -> list[Path]:
 
     task_names = list(results["tasks"])
     written = []
-    colors = {"static": "#1f77b4", "sd": "#1f77b4", "learned": "#d62728", "ar": "#555555"}
-    colors.update({"sd_lossy": "#2ca02c", "cascade": "#9467bd"})
-    markers = {"ar": "s", "sd": "o", "sd_lossy": "^", "cascade": "D", "static": "o", "learned": "*"}
+    colors = {**COLORS, "sd": COLORS["static"]}
 
     # 1. Acceptance vs w with the theory line.
     fig, axes = plt.subplots(1, len(task_names), figsize=(4.6 * len(task_names), 4.2), squeeze=False)
@@ -209,22 +213,15 @@ def plots(results: dict, out: Path) -> list[Path]:
     written += _save(fig, out / "acceptance_vs_w")
     plt.close(fig)
 
-    # 2./3. Task score vs normalised time and vs acceptance: static frontier, baselines, learned points.
-    axes_spec = [
-        ("norm_time", 1.0, "time per token, normalised to AR (lower = faster)", "time", "score_vs_time"),
-        (
-            "acceptance",
-            -1.0,
-            "acceptance rate (higher = faster; no timing noise)",
-            "acceptance",
-            "score_vs_acceptance",
-        ),
-    ]
-    for key, sign, xlabel, short, stem in axes_spec:
-        fig, axes = plt.subplots(1, len(task_names), figsize=(4.6 * len(task_names), 4.2), squeeze=False)
+    # 2./3. Task score vs acceptance and vs normalised time: every method's frontier.
+    for key, xlabel, stem in (
+        ("acceptance", "acceptance rate (higher = faster; no timing noise)", "score_vs_acceptance"),
+        ("norm_time", "time per token, normalised to AR (lower = faster)", "score_vs_time"),
+    ):
+        fig, axes = plt.subplots(1, len(task_names), figsize=(5.2 * len(task_names), 4.6), squeeze=False)
         for ax, t in zip(axes[0], task_names, strict=True):
-            _score_panel(ax, results["tasks"][t], key, sign, colors, markers)
-            ax.set_title(f"{t}: {results['tasks'][t]['metric']} vs {short}")
+            _frontier_panel(ax, results["tasks"][t], key)
+            ax.set_title(f"{t}: {results['tasks'][t]['metric']} vs {key.replace('norm_', 'normalised ')}")
             ax.set_xlabel(xlabel)
         fig.tight_layout()
         written += _save(fig, out / stem)
@@ -232,50 +229,35 @@ def plots(results: dict, out: Path) -> list[Path]:
     return written
 
 
-def _score_panel(ax, res: dict, key: str, sign: float, colors: dict, markers: dict) -> None:
-    """One task's score-vs-`key` panel; `sign` -1 means a higher `key` is better (acceptance)."""
-    static = sorted(
-        [r for r in res["policies"] if r["family"] in ("static", "sd")], key=lambda r: sign * r[key]
-    )
-    xs, ys = [r[key] for r in static], [r["score"] for r in static]
-    ax.plot(xs, ys, "-o", color=colors["static"], label="static ensemble (w sweep)")
-    front = [(sign * x, y) for x, y in _envelope([(sign * x, y) for x, y in zip(xs, ys, strict=True)])]
-    ax.plot(*zip(*front, strict=True), "-", color=colors["static"], lw=6, alpha=0.18, label="static frontier")
-    for r in static:
-        ax.annotate(
-            f"w={r['x']:g}",
-            (r[key], r["score"]),
-            textcoords="offset points",
-            xytext=(4, -11),
-            fontsize=7,
-            color=colors["static"],
-        )
-    for r in res["policies"]:
-        fam = r["family"]
-        if fam in ("static", "sd") or r[key] is None:
-            continue
-        label = {"ar": "AR", "sd_lossy": r["policy"], "cascade": r["policy"]}.get(fam)
-        size = 11 if fam == "learned" else 7
-        ax.errorbar(
-            r[key],
-            r["score"],
-            yerr=r["score_se"],
-            fmt=markers[fam],
-            color=colors[fam],
-            ms=size,
-            capsize=2,
-            label=label,
-        )
-        if fam == "learned":
-            ax.annotate(
-                f"d={r['x']:g}",
-                (r[key], r["score"]),
-                textcoords="offset points",
-                xytext=(6, 4),
-                fontsize=8,
-                color=colors["learned"],
-            )
-    ax.plot([], [], "*", color=colors["learned"], ms=11, label="learned head")
+def _method_style(method: str, ablations: list[str]) -> tuple[str, str]:
+    """Fixed colours per method; ablation heads (`learned[NAME]`) get distinct ones in order."""
+    if method in ablations:
+        return ABLATION_COLORS[ablations.index(method) % len(ABLATION_COLORS)], "P"
+    return COLORS.get(method, "#333"), MARKERS.get(method, "o")
+
+
+def _frontier_panel(ax, res: dict, key: str) -> None:
+    """Every method's points (with score SE) and its frontier line; AR as a reference."""
+    from training.frontiers import _hull
+
+    groups = frontier_groups(res)
+    ablations = sorted(m for m in groups if m.startswith("learned["))
+    for method, pts in sorted(groups.items()):
+        color, marker = _method_style(method, ablations)
+        rows = [next(r for r in res["policies"] if r["policy"] == p.name) for p in pts]
+        xs = np.array([r[key] for r in rows], float)
+        ys = np.array([r["score"] for r in rows], float)
+        ax.errorbar(xs, ys, yerr=[r["score_se"] for r in rows], fmt=marker, color=color,
+                    ms=10 if method == "learned" else 6, capsize=2, alpha=0.85, label=method)  # fmt: skip
+        sign = 1.0 if key == "acceptance" else -1.0
+        hx, hy = _hull(sign * xs, ys)
+        ax.plot(sign * hx, hy, "-", color=color, lw=2.4 if method == "learned" else 1.4, alpha=0.8)
+    ar = next((r for r in res["policies"] if r["family"] == "ar"), None)
+    if ar is not None:
+        if key == "norm_time":
+            ax.errorbar([1.0], [ar["score"]], yerr=[ar["score_se"]], fmt="s", color=COLORS["ar"], label="AR")
+        else:
+            ax.axhline(ar["score"], color=COLORS["ar"], ls=":", lw=1, label="AR score")
     ax.set_ylabel(res["metric"])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
@@ -288,15 +270,23 @@ def _save(fig, stem: Path) -> list[Path]:
     return paths
 
 
-def write_report(results: dict, out_dir: str | Path) -> dict[str, Path]:
+def write_report(results: dict, out_dir: str | Path, boot: int = 400) -> dict[str, Path]:
     """Write results.json, table.md and the plots into `out_dir`; returns the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    verdict = verdicts(results)
+    verdict = verdicts(results, boot)
     results = {**results, "verdict": verdict}
     paths = {"json": out / "results.json", "markdown": out / "table.md"}
-    paths["json"].write_text(json.dumps(results, indent=2, default=str) + "\n")
+    paths["json"].write_text(json.dumps(results, indent=1, default=_jsonable) + "\n")
     paths["markdown"].write_text(markdown(results, verdict))
-    for p in plots(results, out):
+    for p in plots(results, out, verdict):
         paths[p.stem + p.suffix] = p
     return paths
+
+
+def _jsonable(value):
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)

@@ -1,10 +1,14 @@
-"""The `dialspec eval` runs: every task x every verification policy on the embedded engine.
+"""The `dialspec eval` runs: every task x every verification method, each swept over its own knob.
 
 Terms
-    policy        one row of the paper's Table 1: `ar` (target only), `sd` (lossless, w = 1),
-                  `sd_lossy` (Leviathan lenience l), `cascade` (SpecCascade, α), `static` (the
-                  ensemble at a fixed w, swept), `learned` (the head at a dial point d).
-    acceptance    accepted draft tokens / proposed draft tokens, summed over a policy's requests.
+    method        a family of policies with one knob, swept: `static` (the ensemble at a fixed w),
+                  `sd_lossy` (Leviathan lenience l), `cascade` (SpecCascade margin α), `typical`
+                  (Medusa thresholds ε, δ scaled together), `learned` (a head at a dial point d;
+                  ablation heads are `learned[<name>]`); plus the single points `ar` (target only)
+                  and `sd` (lossless, w = 1: the strict end of static and lossy).
+    acceptance    accepted draft tokens / proposed draft tokens, summed over a policy's requests;
+                  rows also keep them per prompt, with per-prompt scores, for the paired bootstrap
+                  of `training.frontiers`.
     score         mean task score (math: exact answer, summary: ROUGE-2 F1, code: pass@1).
     time/token    a policy's batch wall time / its completion tokens; every request of a policy
                   is submitted at once, so the engine batches them (up to `max_batch`).
@@ -36,49 +40,72 @@ class EvalConfig:
     head_path: str | None = None  # None: no learned rows
     tasks: tuple[str, ...] = ("math", "summary", "code")
     split: str = "test"
-    limit: int = 16  # prompts per task
+    limit: int = 96  # prompts per task
     num_draft: int = 5
     max_tokens: int = 64  # the suite's references are <= ~40 tokens
     temperature: float = 1.0
-    w_sweep: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)  # w = 1 is the SD row
-    dials: tuple[float, ...] = (0.25, 0.5, 0.75)
-    lenience: float = 0.5
-    alpha: float = 0.5
+    w_sweep: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)  # static; w = 1 is the SD row
+    lenience_sweep: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75)  # lossy; l = 1 is SD
+    alpha_sweep: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)  # SpecCascade
+    typical_sweep: tuple[float, ...] = (0.1, 0.3, 1.0, 3.0, 10.0)  # scales Medusa's (ε, δ)
+    dials: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)  # learned heads
     seed: int = 0
     max_batch: int = 8
     dtype: str | None = None  # None: the engine's default (float32 on CPU); "auto": measured
 
 
+TYPICAL_EPSILON, TYPICAL_DELTA = 0.09, 0.3  # Medusa's defaults, scaled by `typical_sweep`
+
+
 @dataclass(frozen=True)
 class PolicySpec:
     name: str  # unique label, e.g. "static w=0.25"
-    family: str  # ar | sd | sd_lossy | cascade | static | learned
+    family: str  # ar | sd | static | sd_lossy | cascade | typical | learned | learned[<head>]
     verify: VerifyOptions
-    x: float | None = None  # w (static/sd) or the dial d (learned)
+    x: float | None = None  # the knob: w, l, α, the typical scale, or the dial d
+    head: str = ""  # which head a learned row uses ("" = the primary one)
 
 
-def policy_specs(cfg: EvalConfig, with_head: bool) -> list[PolicySpec]:
+def policy_specs(cfg: EvalConfig, heads: tuple[str, ...] = ()) -> list[PolicySpec]:
+    """Every (method, knob) row; `heads` names the learned heads ("" = the primary head)."""
     n = cfg.num_draft
     specs = [
         PolicySpec("AR", "ar", VerifyOptions(mode="autoregressive")),
         PolicySpec("SD", "sd", VerifyOptions(weight=1.0, num_draft=n), 1.0),
-        PolicySpec(
-            f"SD lossy l={cfg.lenience:g}",
-            "sd_lossy",
-            VerifyOptions(policy=PolicyKind.LOSSY, lenience=cfg.lenience, num_draft=n),
-        ),
-        PolicySpec(
-            f"SpecCascade a={cfg.alpha:g}",
-            "cascade",
-            VerifyOptions(policy=PolicyKind.CASCADE, alpha=cfg.alpha, num_draft=n),
-        ),
     ]
     specs += [
         PolicySpec(f"static w={w:g}", "static", VerifyOptions(weight=w, num_draft=n), w) for w in cfg.w_sweep
     ]
-    if with_head:
+    specs += [
+        PolicySpec(
+            f"SD lossy l={v:g}",
+            "sd_lossy",
+            VerifyOptions(policy=PolicyKind.LOSSY, lenience=v, num_draft=n),
+            v,
+        )
+        for v in cfg.lenience_sweep
+    ]
+    specs += [
+        PolicySpec(
+            f"SpecCascade a={a:g}",
+            "cascade",
+            VerifyOptions(policy=PolicyKind.CASCADE, alpha=a, num_draft=n),
+            a,
+        )
+        for a in cfg.alpha_sweep
+    ]
+    for k in cfg.typical_sweep:
+        v = VerifyOptions(
+            policy=PolicyKind.TYPICAL,
+            epsilon=min(1.0, TYPICAL_EPSILON * k),
+            delta=TYPICAL_DELTA * k,
+            num_draft=n,
+        )
+        specs.append(PolicySpec(f"typical x{k:g}", "typical", v, k))
+    for head in heads:
+        family = "learned" if head == "" else f"learned[{head}]"
         specs += [
-            PolicySpec(f"learned d={d:g}", "learned", VerifyOptions(weight=d, dial=d, num_draft=n), d)
+            PolicySpec(f"{family} d={d:g}", family, VerifyOptions(weight=d, dial=d, num_draft=n), d, head)
             for d in cfg.dials
         ]
     return specs
@@ -90,10 +117,10 @@ def _seed(task: str, i: int, base: int) -> int:
 
 def _summarise(spec: PolicySpec, examples, run: BatchRun, ar_tpt: float | None) -> dict:
     scores = [tasks.score(ex, r.text) for ex, r in zip(examples, run.rollouts, strict=True)]
-    stats = [r.stats for r in run.rollouts if r.stats is not None]
-    proposed = sum(s.draft_tokens for s in stats)
-    accepted = sum(s.accepted_tokens for s in stats)
-    w_count = sum(s.weight_count for s in stats)
+    stats = [r.stats for r in run.rollouts]
+    accepted = [s.accepted_tokens if s else 0 for s in stats]
+    proposed = [s.draft_tokens if s else 0 for s in stats]
+    w_count = sum(s.weight_count for s in stats if s)
     tokens = max(1, run.completion_tokens)
     tpt = run.wall_s / tokens
     mean = sum(scores) / len(scores)
@@ -102,23 +129,26 @@ def _summarise(spec: PolicySpec, examples, run: BatchRun, ar_tpt: float | None) 
         "policy": spec.name,
         "family": spec.family,
         "x": spec.x,
-        "acceptance": accepted / proposed if proposed else None,
+        "acceptance": sum(accepted) / sum(proposed) if sum(proposed) else None,
         "score": mean,
         "score_se": math.sqrt(var / len(scores)),
-        "mean_w": sum(s.weight_sum for s in stats) / w_count if w_count else None,
+        "mean_w": sum(s.weight_sum for s in stats if s) / w_count if w_count else None,
         "completion_tokens": run.completion_tokens,
         "wall_s": run.wall_s,
         "tokens_per_s": tokens / run.wall_s if run.wall_s > 0 else None,
         "time_per_token_s": tpt,
         "norm_time": tpt / ar_tpt if ar_tpt else 1.0,
-        "verify_rounds": sum(s.verify_steps for s in stats),
+        "verify_rounds": sum(s.verify_steps for s in stats if s),
+        "per_prompt": {"scores": scores, "accepted": accepted, "proposed": proposed},
     }
 
 
-def run_eval(cfg: EvalConfig, head=None, progress=None) -> dict:
-    """Run every (task, policy); returns the JSON-ready results (see `eval_report` for the artefacts)."""
-    engine = rollout_engine(cfg, head)
-    specs = policy_specs(cfg, head is not None)
+def run_eval(cfg: EvalConfig, heads: dict | None = None, progress=None) -> dict:
+    """Run every (task, policy); `heads` maps a name to a loaded head ("" = the primary head,
+    reported as `learned`). Returns the JSON-ready results (see `eval_report` for the artefacts)."""
+    heads = heads or {}
+    engine = rollout_engine(cfg, next(iter(heads.values()), None))
+    specs = policy_specs(cfg, tuple(heads))
     engine.start_sync()
     results: dict = {"config": asdict(cfg), "tasks": {}}
     try:
@@ -128,6 +158,8 @@ def run_eval(cfg: EvalConfig, head=None, progress=None) -> dict:
             prompts = [tuple(engine.encode_chat(ex.messages())) for ex in examples]
             rows, ar_tpt, mean_tv = [], None, None
             for spec in specs:
+                if spec.family.startswith("learned"):
+                    engine.swap_head(heads[spec.head])
                 sampling = [
                     SamplingOptions(
                         temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=_seed(task, i, cfg.seed)

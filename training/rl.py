@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from training.rollout import Forced, expected_acceptance, nu_log_prob
-from verifier.head import WeightHead
+from verifier.head import WeightHead, wants_stats
 
 
 @dataclass
@@ -79,6 +79,9 @@ class TrainConfig:
     warm_start_lr: float = 5e-2
     dial_conditioned: bool = True
     head_hidden: int = 0
+    head_inputs: str = "states"  # "states" (the paper's head), "stats" or "both" (verifier.head)
+    warm_start: str = "auto"  # "regulariser", "cascade", or "auto": cascade when the head reads stats
+    cascade_alpha: float = 0.5  # the cascade warm start ranks positions by max p − max q − α·TV
     default_dial: float = 0.5
     eval_every: int = 20
     ckpt_every: int = 10
@@ -114,7 +117,7 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
 
 def head_weights(head: WeightHead, forced: Forced, dial: torch.Tensor) -> torch.Tensor:
     """w `[B, T]` for teacher-forced states (padding positions get arbitrary but masked values)."""
-    return head(forced.h_draft, forced.h_target, dial)
+    return head(forced.h_draft, forced.h_target, dial, forced.stats if wants_stats(head) else None)
 
 
 @dataclass
@@ -180,6 +183,63 @@ def dial_warm_start(head: WeightHead, forced: Forced, cfg: TrainConfig) -> float
         (-value).backward()
         opt.step()
     return float(value.detach())
+
+
+def cascade_targets(forced: Forced, dial: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Budget-matched SpecCascade decisions `[B, T]` in {0, 1} for per-rollout dials `[B]`.
+
+    SpecCascade defers to the target (w = 1) where `max p − max q − α·TV > 0`. Here the score
+    `u = max p − max q − α·TV` ranks positions and the threshold is the (1 − d)-quantile of u
+    over the batch's positions, so at dial d a fraction d of positions defer: the static-w = d
+    weight budget (the RL anchor's), spent where SpecCascade would spend it.
+    """
+    s = forced.stats  # [B, T, 5]: max p, max q, H(p), H(q), TV
+    u = s[..., 0] - s[..., 1] - alpha * s[..., 4]  # [B, T]
+    values = u[forced.mask]  # [M]
+    out = torch.zeros_like(u)
+    for d in dial.unique().tolist():
+        rows = dial == d
+        if d >= 1.0:
+            out[rows] = 1.0
+        elif d > 0.0:
+            tau = torch.quantile(values, 1.0 - d)
+            out[rows] = (u[rows] > tau).float()
+    return out * forced.mask
+
+
+def cascade_warm_start(head: WeightHead, forced: Forced, cfg: TrainConfig) -> float:
+    """Distil budget-matched SpecCascade into the head (binary cross-entropy, every dial on the
+    grid), so RL starts from a head that already defers where a cascade would. Returns the final
+    mean BCE. Needs a head that reads position stats (a linear rule in them can express it)."""
+    b, grid = forced.mask.shape[0], torch.tensor(cfg.dials, dtype=torch.float32)
+    rep = Forced.cat([forced] * len(grid))  # [G·B, T, ...]
+    dial = grid.repeat_interleave(b)  # [G·B]
+    target = cascade_targets(rep, dial, cfg.cascade_alpha)  # [G·B, T]
+    mask = rep.mask.float()
+    opt = torch.optim.Adam(head.parameters(), lr=cfg.warm_start_lr)
+    value = torch.zeros(())
+    for _ in range(cfg.warm_start_steps):
+        logit = head.logit(rep.h_draft, rep.h_target, dial, rep.stats)  # [G·B, T]
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(logit, target, reduction="none")
+        value = (bce * mask).sum() / mask.sum().clamp_min(1.0)
+        opt.zero_grad(set_to_none=True)
+        value.backward()
+        opt.step()
+    return float(value.detach())
+
+
+def warm_start(head: WeightHead, forced: Forced, cfg: TrainConfig) -> tuple[str, float]:
+    """The configured warm start: (its name, its final loss/regulariser value)."""
+    kind = cfg.warm_start
+    if kind == "auto":
+        kind = "cascade" if wants_stats(head) else "regulariser"
+    if kind == "cascade":
+        if not wants_stats(head):
+            raise ValueError("the cascade warm start needs a head that reads position stats")
+        return kind, cascade_warm_start(head, forced, cfg)
+    if kind != "regulariser":
+        raise ValueError(f"warm_start must be auto, regulariser or cascade, got {kind!r}")
+    return kind, dial_warm_start(head, forced, cfg)
 
 
 def normalised_advantages(rewards: torch.Tensor, group_size: int = 1) -> torch.Tensor:

@@ -11,7 +11,8 @@ Terms
                      p_t(y_t), q_t(y_t)    target / draft probability of the emitted token,
                      tv_t = TV(p_t, q_t)   the per-position acceptance deficit at w = 1,
                      h_target_t, h_draft_t final-norm states at position t−1 (the ones that score
-                                           y_t; exactly what the engine feeds the head).
+                                           y_t; exactly what the engine feeds the head),
+                     stats_t               `position_stats(p_t, q_t)` (max p, max q, entropies, TV).
                  With these, `log ν_t(y_t) = log(w_t·p_t(y_t) + (1 − w_t)·q_t(y_t))` and the expected
                  acceptance `1 − w_t·tv_t` are cheap, differentiable functions of the head's w_t.
 """
@@ -28,6 +29,7 @@ from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from server.engine.llama import Transformer
 from server.engine.protocol import GenerationRequest, SpecStats
 from verifier import ensemble_mix, logits_to_probs, tv_distance
+from verifier.head import position_stats
 
 
 def rollout_engine(cfg, head=None) -> EmbeddedEngine:
@@ -113,6 +115,7 @@ class Forced:
     p_tok: torch.Tensor  # [B, T] p_t(y_t)
     q_tok: torch.Tensor  # [B, T] q_t(y_t)
     tv: torch.Tensor  # [B, T] TV(p_t, q_t)
+    stats: torch.Tensor  # [B, T, 5] verifier.head.position_stats(p_t, q_t)
     h_draft: torch.Tensor  # [B, T, Hd]
     h_target: torch.Tensor  # [B, T, Ht]
     mask: torch.Tensor  # [B, T] bool: real completion positions
@@ -178,6 +181,7 @@ def _force_chunk(target, draft, rollouts: list[Rollout], temperature: float) -> 
         p_tok=torch.where(mask, p.gather(-1, y.unsqueeze(-1)).squeeze(-1), zero),
         q_tok=torch.where(mask, q.gather(-1, y.unsqueeze(-1)).squeeze(-1), zero),
         tv=torch.where(mask, tv_distance(p, q), zero),
+        stats=position_stats(p, q) * mask.unsqueeze(-1),
         h_draft=h_d.float() * mask.unsqueeze(-1),
         h_target=h_t.float() * mask.unsqueeze(-1),
         mask=mask,

@@ -26,12 +26,12 @@ from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOpt
 from training import tasks
 from training.rl import (
     TrainConfig,
-    dial_warm_start,
     head_weights,
     lr_factor,
     regulariser,
     sample_dials,
     update_step,
+    warm_start,
 )
 from training.rollout import expected_acceptance, generate_batch, rollout_engine, teacher_force
 from verifier.head import WeightHead
@@ -56,6 +56,7 @@ class Trainer:
             hidden=cfg.head_hidden,
             default_dial=cfg.default_dial,
             dial_conditioned=cfg.dial_conditioned,
+            inputs=cfg.head_inputs,
         )
         self.ref = WeightHead(self.head.config)
         self.ref.load_state_dict(self.head.state_dict())
@@ -66,13 +67,10 @@ class Trainer:
         self.history: list[dict] = []
         self.dev_history: list[dict] = []
         self.calibrated = False
-        self.engine = rollout_engine(cfg, self._engine_head)
+        self.engine = rollout_engine(cfg, _LiveHead(self.head))
         self.train_set = [e for t in cfg.tasks for e in tasks.load(t, "train", cfg.train_prompts, cfg.seed)]
         self.dev_set = [e for t in cfg.tasks for e in tasks.load(t, "dev", cfg.dev_prompts, cfg.seed)]
         self._prompts: dict[str, list[int]] = {}
-
-    def _engine_head(self, h_draft, h_target, dial):
-        return self.head(h_draft, h_target, dial)
 
     # -- checkpoints -----------------------------------------------------------------------
     @property
@@ -209,9 +207,10 @@ class Trainer:
         forced, scores = self.rollouts(examples, dials, seeds)
         t1 = time.perf_counter()
         if not self.calibrated:  # standardise the head's inputs, teach it the dial, then fix the reference
-            self.head.calibrate(forced.h_draft[forced.mask], forced.h_target[forced.mask])
-            value = dial_warm_start(self.head, forced, cfg)
-            self.log(f"dial warm start: regulariser {value:.4f}")
+            m = forced.mask
+            self.head.calibrate(forced.h_draft[m], forced.h_target[m], forced.stats[m])
+            kind, value = warm_start(self.head, forced, cfg)
+            self.log(f"{kind} warm start: final value {value:.4f}")
             self.ref.load_state_dict(self.head.state_dict())
             self.calibrated = True
         self.head.train()
@@ -220,6 +219,21 @@ class Trainer:
         self.step += 1
         stats.update(step=self.step, rollout_s=round(t1 - t0, 2), lr=self.scheduler.get_last_lr()[0])
         self.history.append(stats)
+
+
+class _LiveHead:
+    """The head as the rollout engine sees it: the trainer's live module, called as is (the engine
+    would otherwise move and switch modes on an `nn.Module` it is handed)."""
+
+    def __init__(self, head: WeightHead):
+        self.head = head
+
+    @property
+    def config(self):
+        return self.head.config
+
+    def __call__(self, *inputs):
+        return self.head(*inputs)
 
 
 def _jsonable(d: dict) -> dict:

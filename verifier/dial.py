@@ -109,6 +109,8 @@ class Verification:
     dial: float | None = None  # learned head input d; None = static w
     lenience: float = 0.5  # LOSSY: l in (0, 1]
     alpha: float = 0.5  # CASCADE: α >= 0
+    epsilon: float = 0.09  # TYPICAL: hard threshold in [0, 1] (Medusa's posterior_threshold)
+    delta: float = 0.3  # TYPICAL: entropy-scaled threshold >= 0 (Medusa's posterior_alpha)
     num_draft: int | None = None  # N for this request; None = engine default
 
     @property
@@ -130,6 +132,8 @@ class Verification:
             raise DialError(f"lenience must lie in (0, 1], got {self.lenience}", "lenience")
         if not self.alpha >= 0.0:
             raise DialError(f"alpha must be >= 0, got {self.alpha}", "alpha")
+        if not (0.0 <= self.epsilon <= 1.0 and self.delta >= 0.0):
+            raise DialError("typical thresholds need 0 <= epsilon <= 1, delta >= 0", "verifier")
         n = self.num_draft
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise DialError(f"num_draft must be an integer >= 1, got {n!r}", "num_draft")

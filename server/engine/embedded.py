@@ -19,15 +19,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from server.engine.dtype_choice import DTYPES, choose_dtype
-from server.engine.protocol import EngineError, EngineInfo, GenerationChunk, GenerationRequest
+from server.engine.protocol import (
+    EngineError,
+    EngineInfo,
+    GenerationChunk,
+    GenerationRequest,
+    SamplingOptions,
+    check_sampling,
+)
 from server.engine.row import Row
 from server.engine.scheduler import Scheduler
 from server.engine.step import Models, WeightHead
@@ -139,8 +147,13 @@ class EmbeddedEngine:
             backend="embedded",
             auto_dial=getattr(head_config, "default_dial", DEFAULT_AUTO_DIAL),
             adaptive_draft=config.num_draft is None,
+            max_num_draft=config.max_num_draft,
+            vocab_size=self.vocab_size,
+            max_token_bytes=max_token_bytes(self.tokenizer),
+            token_provenance=True,  # rows report each token's source and w (row.py, `_provenance`)
         )
         self.scheduler: Scheduler | None = None
+        self._stopping = False
 
     # -- lifecycle -------------------------------------------------------------------------
     def load_models(self) -> Models:
@@ -193,6 +206,18 @@ class EmbeddedEngine:
         sizes = sorted({1, self.config.max_batch})
         return self.scheduler.models.planner.cost.summary(sizes, self.config.max_num_draft)
 
+    def swap_head(self, head: WeightHead | None) -> None:
+        """Serve with another weight head from the next round on: evaluation compares several
+        heads on one loaded pair. Call between batches (a round reads the head once)."""
+        self.config.head = head
+        self.head = head
+        config = getattr(head, "config", None)
+        dial = getattr(config, "default_dial", self.info.auto_dial)
+        self.info = dataclasses.replace(self.info, has_head=head is not None, auto_dial=dial)
+        if self.scheduler is not None:
+            models = self.scheduler.models
+            models.head = head.to(models.device).eval() if isinstance(head, torch.nn.Module) else head
+
     def _resolve_head(self) -> WeightHead | None:
         """The configured head; a directory is loaded with `server.engine.head_store.load_head`, which refuses
         a head trained for a different pair (ValueError naming both)."""
@@ -205,7 +230,8 @@ class EmbeddedEngine:
 
     def start_sync(self) -> None:
         if self.scheduler is None:
-            self.scheduler = Scheduler(self.load_models(), self.config.max_batch)
+            self._stopping = False
+            self.scheduler = Scheduler(self.load_models(), self.config.max_batch, probe=self._probe_row)
             self.info.runtime["cost_model"] = self.cost_model_summary()
             self.scheduler.start()
 
@@ -214,6 +240,7 @@ class EmbeddedEngine:
 
     async def stop(self) -> None:
         if self.scheduler is not None:
+            self._stopping = True
             sched, self.scheduler = self.scheduler, None
             await asyncio.to_thread(sched.stop, EngineError("engine stopped", "unavailable"))
             self._save_cost_model(sched)
@@ -225,6 +252,33 @@ class EmbeddedEngine:
         from server.engine.cost_model import cache_key, cache_path, save
 
         save(sched.models.planner.cost, cache_path(Path(self.config.cache_dir), cache_key(sched.models)))
+
+    @property
+    def fault(self) -> BaseException | None:
+        """The unrecoverable fault that stopped the scheduler, if any (protocol.engine_fault)."""
+        sched = self.scheduler
+        return sched.fault if sched is not None else None
+
+    async def readiness(self) -> str | None:
+        sched = self.scheduler
+        if self._stopping:
+            return "the engine is stopping"
+        if sched is None:
+            return "the engine is not started (models not loaded)"
+        if sched.fault is not None:
+            return f"the engine failed ({type(sched.fault).__name__}) and cannot generate; restart the server"
+        if not sched.alive:
+            return "the engine's scheduler thread is not running"
+        return None
+
+    def _probe_row(self) -> Row:
+        """A tiny greedy request with the engine's default (or largest) N, fixed: if this fails, the
+        engine is broken."""
+        token = min(self.eos_ids, default=0)
+        request = GenerationRequest(
+            "engine-probe", (token, token), SamplingOptions(temperature=0, max_tokens=1)
+        )
+        return Row(request, lambda _item: None, self.info.num_draft, self.tokenizer, self.eos_ids)
 
     def load(self) -> dict[str, int]:
         return self.scheduler.load() if self.scheduler else {"running": 0, "waiting": 0}
@@ -253,22 +307,24 @@ class EmbeddedEngine:
     # -- generation ------------------------------------------------------------------------
     def make_row(self, request: GenerationRequest, sink) -> Row:
         """Validate `request` and build its row; raises EngineError on anything unservable."""
-        c, s, v = self.config, request.sampling, request.verify
+        c, v = self.config, request.verify
         prompt = request.prompt_token_ids
         bad = None
+        try:
+            s = check_sampling(request.sampling, self.vocab_size)
+        except ValueError as exc:
+            raise EngineError(str(exc), "invalid_request") from None
         if not prompt:
             bad = "prompt is empty"
-        elif any(t < 0 or t >= self.vocab_size for t in prompt):
-            bad = f"prompt token ids must lie in [0, {self.vocab_size})"
-        elif s.max_tokens < 1:
-            bad = "max_tokens must be >= 1"
+        elif any(
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt
+        ):
+            bad = f"prompt token ids must be integers in [0, {self.vocab_size})"
         elif len(prompt) + s.max_tokens > c.max_context:
             bad = (
                 f"prompt ({len(prompt)} tokens) + max_tokens ({s.max_tokens}) exceeds this engine's "
                 f"max_context of {c.max_context} tokens; shorten the prompt or lower max_tokens"
             )
-        elif s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
-            bad = "need temperature >= 0, 0 < top_p <= 1, top_k >= 0"
         elif v.learned and c.head is None:
             bad = "learned weights requested but this engine has no weight head loaded"
         else:
@@ -280,6 +336,7 @@ class EmbeddedEngine:
             raise EngineError(bad, "invalid_request")
         fixed = 0 if v.mode == "autoregressive" else (v.num_draft or c.num_draft)
         try:
+            request = replace(request, sampling=s)
             return Row(request, sink, fixed or 0, self.tokenizer, self.eos_ids, adaptive=fixed is None)
         except ValueError as exc:  # e.g. Policy parameter ranges
             raise EngineError(str(exc), "invalid_request") from exc
@@ -289,8 +346,8 @@ class EmbeddedEngine:
         sched = self.scheduler
         if sched is None:
             raise EngineError("engine is not started", "unavailable")
-        if sched.error is not None:
-            raise EngineError(f"engine failed: {sched.error!r}", "unavailable")
+        if sched.fault is not None:
+            raise EngineError(f"engine failed: {type(sched.fault).__name__}", "unavailable")
         row = self.make_row(request, sink)
         if sched.load()["waiting"] >= self.config.max_waiting:
             raise EngineError("too many requests waiting; retry later", "capacity")
@@ -322,3 +379,42 @@ class EmbeddedEngine:
         finally:
             if not finished and self.scheduler is not None:
                 self.scheduler.cancel(row)
+
+
+def _keeps_bytes(pre_tokenizer: dict) -> bool:
+    """Pre-tokenizers that only split (or add a prefix space): every input byte reaches the model."""
+    kind = pre_tokenizer.get("type")
+    if kind in ("ByteLevel", "Digits"):
+        return True
+    return kind in ("Split", "Punctuation") and pre_tokenizer.get("behavior") != "Removed"
+
+
+def max_token_bytes(tokenizer) -> int | None:
+    """The longest token in UTF-8 bytes when that bounds the token count from below, else None.
+
+    For byte-level BPE without a normalizer, tokenizing text splits its UTF-8 bytes into pieces
+    that are each a vocabulary entry (or an added token matched verbatim), and special tokens
+    added around it only add to the count. So any text of b bytes gives at least
+    ceil(b / L) tokens, L = the longest entry in bytes. A normalizer (NFC, lowercasing, ...) may
+    shrink the text first, and other models (WordPiece, Unigram) may drop bytes: no bound then.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    if spec.get("normalizer") is not None or (spec.get("model") or {}).get("type") != "BPE":
+        return None
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    if not any(p.get("type") == "ByteLevel" for p in parts) or not all(map(_keeps_bytes, parts)):
+        return None
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = set(ByteLevel.alphabet())  # each of these 256 characters stands for one byte
+
+    def size(piece: str) -> int:
+        return sum(1 if ch in alphabet else len(ch.encode("utf-8")) for ch in piece)
+
+    vocab = spec["model"].get("vocab") or {}
+    added = [t.get("content", "") for t in spec.get("added_tokens") or []]
+    return max([size(t) for t in vocab] + [len(a.encode("utf-8")) for a in added] + [1])

@@ -6,27 +6,54 @@ weight travels one path: HTTP body -> `verifier.dial.resolve` (quality -> `Verif
 
 Cancellation: closing the async iterator returned by `Engine.generate` (e.g. `aclose()`, or the
 consuming task being cancelled) aborts the request and frees its batch row and cache at once.
+
+Faults: an engine fails only the request(s) that caused a fault (EngineError kind 'internal');
+one it cannot recover from is its `fault` (see `engine_fault`), after which it never generates
+again and the serving process should exit non-zero so that a supervisor restarts it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, runtime_checkable
 
-from verifier.dial import DEFAULT_AUTO_DIAL, Verification
+from verifier.dial import DEFAULT_AUTO_DIAL, PolicyKind, Verification
 
 # How a request's drafts are verified: owned by the dial (policy, static w, learned dial, N).
 VerifyOptions = Verification
 FinishReason = Literal["stop", "length", "abort"]
+# Where an emitted token came from: an accepted draft, the correction drawn at the first rejection,
+# the bonus drawn from ν after N accepted drafts (also at N = 0 when w < 1), or the target alone
+# (p at N = 0: autoregressive requests, w = 1 rows in rounds without drafts).
+TokenSource = Literal["draft", "corrected", "bonus", "target"]
+
+
+ErrorKind = Literal["invalid_request", "capacity", "unavailable", "internal"]
 
 
 class EngineError(Exception):
-    """A request the engine cannot serve; `kind` maps to an HTTP status in the gateway."""
+    """A request the engine cannot serve; `kind` maps to an HTTP status in the gateway
+    (invalid_request 400, capacity 429, unavailable 503, internal 500: the engine faulted on this
+    request and dropped it, and goes on serving the others)."""
 
-    def __init__(self, message: str, kind: Literal["invalid_request", "capacity", "unavailable"]):
+    def __init__(self, message: str, kind: ErrorKind):
         super().__init__(message)
         self.kind = kind
+
+
+# Sampling values every engine can honour (`check_sampling`).
+# Below MIN_TEMPERATURE sampling is greedy (vLLM's and SGLang's convention): logits / t overflows
+# float32 for tiny t (1e-50 is 0 in float32), and at t = 1e-5 a logit gap of 0.001 is already
+# e^-100 apart, so the draw is the argmax anyway.
+MIN_TEMPERATURE = 1e-5
+# top_p below this keeps exactly the most likely token, as any top_p <= 1/V does (that token alone
+# has mass >= 1/V), for vocabularies up to 10^7 tokens; flooring it keeps the value representable
+# in float32 (5e-324 is 0 there, which the sampling transform refuses).
+MIN_TOP_P = 1e-7
+MAX_TOP_K = 2**31 - 1  # any top_k >= V keeps every token; bigger values overflow int32 kernels
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass(frozen=True)
@@ -44,12 +71,56 @@ class SamplingOptions:
     ignore_eos: bool = False  # keep going past EOS (benchmarks); explicit stop_token_ids still stop
 
 
+def _number(value, name: str, integer: bool = False):
+    # bool is an int in Python, but `seed: false` is a client bug, not seed 0
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if not integer and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def check_sampling(s: SamplingOptions, vocab_size: int | None = None) -> SamplingOptions:
+    """`s` as an engine can honour it, or ValueError naming the field. Normalises, without changing
+    what is sampled: temperature below MIN_TEMPERATURE -> 0 (greedy); top_p below MIN_TOP_P ->
+    MIN_TOP_P; top_k >= `vocab_size` -> 0 (off)."""
+    temperature = _number(s.temperature, "temperature")
+    top_p = _number(s.top_p, "top_p")
+    top_k = _number(s.top_k, "top_k", integer=True)
+    max_tokens = _number(s.max_tokens, "max_tokens", integer=True)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if s.seed is not None and not SEED_RANGE[0] <= _number(s.seed, "seed", integer=True) <= SEED_RANGE[1]:
+        raise ValueError(f"seed must lie in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {s.seed}")
+    for t in s.stop_token_ids:
+        if _number(t, "stop_token_ids", integer=True) < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab_size}), got {t}")
+    if top_k > MAX_TOP_K or (vocab_size is not None and top_k >= vocab_size):
+        top_k = 0
+    return replace(
+        s,
+        temperature=0.0 if temperature < MIN_TEMPERATURE else float(temperature),
+        top_p=max(float(top_p), MIN_TOP_P),
+        top_k=top_k,
+    )
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     verify: VerifyOptions = field(default_factory=VerifyOptions)
+    # Report each token's provenance (`GenerationChunk.provenance`). Only engines whose
+    # `info.token_provenance` is True honour it; the gateway refuses it (400) for the others.
+    trace: bool = False
 
 
 @dataclass
@@ -78,6 +149,24 @@ class SpecStats:
         return self.weight_sum / self.weight_count if self.weight_count else None
 
 
+@dataclass(frozen=True)
+class TokenTrace:
+    """The provenance of one emitted token (requests with `trace`).
+
+    `weight` is the ensemble w applied at the token's position (the static w, or the learned
+    head's w_t): for a draft, the w its acceptance test used; for a correction, the w of the test
+    that rejected the draft there; for a bonus, the w of ν it was drawn from (after N accepted
+    drafts, or at N = 0 for a row with w < 1). None where no w applies: target tokens are drawn
+    from p alone, and baseline policies (lossy, cascade, typical) have no w.
+    """
+
+    source: TokenSource
+    text: str  # the part of the chunk's text released with this token ("" while it is held back)
+    weight: float | None
+    position: int  # index in its round: drafts 0..k-1, then the correction (k < N) or bonus (N)
+    num_draft: int  # N of its round (0 = autoregressive)
+
+
 @dataclass
 class GenerationChunk:
     """Incremental output. Text deltas never split a multi-byte character."""
@@ -88,6 +177,7 @@ class GenerationChunk:
     completion_tokens: int  # cumulative
     finish_reason: FinishReason | None = None  # set on the last chunk only
     stats: SpecStats | None = None  # cumulative; always set on the last chunk
+    provenance: list[TokenTrace] | None = None  # one per token_ids entry, only for `trace` requests
 
 
 @dataclass(frozen=True)
@@ -103,6 +193,42 @@ class EngineInfo:
     # Filled when the engine starts (JSON-ready, for /ready or a debug endpoint): the dtype and
     # how it was chosen, the draft-length mode, the measured cost model (ms per stage).
     runtime: dict = field(default_factory=dict, compare=False, hash=False)
+    # Optional limits a gateway publishes and checks before the engine sees a request:
+    max_num_draft: int | None = None  # largest per-request N; None = num_draft (N is fixed)
+    vocab_size: int | None = None  # token ids lie in [0, vocab_size); None = unknown
+    # Longest token in UTF-8 bytes, set only when tokenization provably yields at least
+    # ceil(bytes / max_token_bytes) tokens for any text (byte-level BPE, no normalizer): a prompt
+    # whose byte length alone exceeds the context can then be refused without tokenizing it.
+    max_token_bytes: int | None = None
+
+    token_provenance: bool = False  # honours `GenerationRequest.trace` (per-token provenance)
+    # What this backend can do (a request asking for more is refused, never silently served as less):
+    policies: tuple[PolicyKind, ...] = tuple(PolicyKind)  # rules Verification.policy may name
+
+    @property
+    def num_draft_limit(self) -> int:
+        return self.max_num_draft if self.max_num_draft is not None else self.num_draft
+
+    @property
+    def per_request_num_draft(self) -> bool:
+        """Verification.num_draft is honoured; False: only the default N (max_num_draft None)."""
+        return self.max_num_draft is not None
+
+    def unsupported(self, v: Verification) -> str | None:
+        """Why this backend cannot serve `v` as asked (one line starting with the field), or None."""
+        if v.mode != "speculative":
+            return None  # the target alone: verification options do not apply
+        if v.policy not in self.policies:
+            names = ", ".join(k.wire for k in self.policies)
+            return f"verifier: the {self.backend} backend serves {names} only, not {v.policy.wire}"
+        if v.num_draft is not None and v.num_draft != self.num_draft and not self.per_request_num_draft:
+            return (
+                f"num_draft: the {self.backend} backend drafts a fixed N = {self.num_draft} (set at "
+                "launch); omit num_draft"
+            )
+        if v.learned and not self.has_head:
+            return f"quality: no learned head is loaded on the {self.backend} backend; 'auto' is not served"
+        return None
 
 
 @runtime_checkable
@@ -128,3 +254,26 @@ class Engine(Protocol):
     def load(self) -> dict[str, int]:
         """{'running': rows decoding now, 'waiting': admitted but not yet in the batch}."""
         ...
+
+
+@runtime_checkable
+class ReportsReadiness(Protocol):
+    """What an engine says about readiness (part of the engine protocol; a separate class only so
+    that an engine without it still satisfies `Engine` and counts as ready once started)."""
+
+    async def readiness(self) -> str | None:
+        """None when the engine can generate now; otherwise why not, in a short sentence (not
+        started, failed, stopping, runtime unreachable). Must be cheap and must not raise."""
+        ...
+
+
+async def engine_readiness(engine) -> str | None:
+    """`engine.readiness()`, or None (ready) for an engine without the method."""
+    if isinstance(engine, ReportsReadiness):
+        return await engine.readiness()
+    return None
+
+
+def engine_fault(engine) -> BaseException | None:
+    """The unrecoverable fault of an engine that reports one (optional attribute `fault`)."""
+    return getattr(engine, "fault", None)

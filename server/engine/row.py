@@ -24,7 +24,7 @@ import torch
 
 from server.engine.detokenize import IncrementalDetokenizer, StopStringFilter
 from server.engine.draft_length import AcceptanceEstimate
-from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats
+from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats, TokenTrace
 from verifier import Policy, PolicyKind
 
 
@@ -58,7 +58,7 @@ class Row:
         self.weight = float(v.weight)  # static w
         self.dial = v.dial  # the learned head's input, None for static rows
         self.learned = v.learned
-        self.policy = Policy(kind=v.policy, lenience=v.lenience, alpha=v.alpha)
+        self.policy = Policy(v.policy, v.lenience, v.alpha, v.epsilon, v.delta)
         self.stop_ids = frozenset(s.stop_token_ids) | (frozenset() if _ignore_eos(s) else self.eos_ids)
         seed = s.seed if s.seed is not None else random.SystemRandom().getrandbits(63)
         # Each row owns its random stream, so its draws do not depend on who shares the batch.
@@ -76,6 +76,8 @@ class Row:
         # Prefill the draft with the prompt only if it will surely run; adaptive w = 1 rows feed it
         # when they first draft (a row that never drafts never pays for the draft's prefill).
         self.eager_draft = self.needs_q or (self.num_draft > 0 and not self.adaptive)
+        # The latest round as `_provenance` reads it: (k, w per position, N, bonus drawn from ν).
+        self.last_round: tuple[int, list[float], int, bool] = (0, [], 0, False)
 
     def uniforms(self, count: int) -> torch.Tensor:
         """Next `count` uniforms `[count]` of this row's stream (drawn on CPU for determinism)."""
@@ -95,7 +97,10 @@ class Row:
         mean = self.stats.mean_weight if self.learned else None
         return self.weight if mean is None else mean
 
-    def record_round(self, num_accepted: int, weights: list[float], n: int) -> None:
+    def record_round(self, num_accepted: int, weights: list[float], n: int, bonus_from_nu=False) -> None:
+        """A round of N = `n` drafts: k accepted, `weights` the w per tested position (plus the
+        bonus's w when `bonus_from_nu`: the bonus, or at N = 0 the token, was drawn from ν)."""
+        self.last_round = (num_accepted, weights, n, bonus_from_nu)
         st = self.stats
         st.verify_steps += 1
         if n:
@@ -110,18 +115,20 @@ class Row:
             st.weight_count += len(weights)
 
     def emit_tokens(self, tokens: list[int]) -> None:
-        """Append accepted tokens in order, applying stop rules; sends one chunk to the sink."""
+        """Append one round's tokens in order (its k accepted drafts, then the correction or bonus;
+        `record_round` has just been told k), applying stop rules; sends one chunk to the sink."""
         max_tokens = self.request.sampling.max_tokens
-        text, emitted, finish = [], [], None
+        pieces, emitted, finish = [], [], None  # pieces[i]: the text released with emitted[i]
         for tok in tokens:
             self.seq.append(tok)
             self.completion += 1
             emitted.append(tok)
             if tok in self.stop_ids:
                 finish = "stop"
+                pieces.append("")
                 break
             out, stopped = self.stopper.feed(self.detok.push(tok))
-            text.append(out)
+            pieces.append(out)
             if stopped:
                 finish = "stop"
                 break
@@ -130,11 +137,35 @@ class Row:
                 break
         if finish == "length" or (finish == "stop" and emitted[-1] in self.stop_ids):
             # Not ended by a stop string: release any held-back text (and incomplete bytes).
-            text.append(self.stopper.feed(self.detok.flush())[0])
-            text.append(self.stopper.flush())
-        self.send(GenerationChunk("".join(text), emitted, self.prompt_len, self.completion, finish))
+            pieces[-1] += self.stopper.feed(self.detok.flush())[0] + self.stopper.flush()
+        chunk = GenerationChunk("".join(pieces), emitted, self.prompt_len, self.completion, finish)
+        if self.request.trace:
+            chunk.provenance = self._provenance(pieces)
+        self.send(chunk)
         if finish is not None:
             self.done = True
+
+    def _provenance(self, pieces: list[str]) -> list[TokenTrace]:
+        """Token i of a round: a draft while i < k, then a correction (k < N) or the bonus (k = N).
+        At N = 0 the token is the target's own (drawn from p), or a bonus when drawn from ν."""
+        k, weights, n, from_nu = self.last_round
+        ensemble = self.policy.kind == PolicyKind.ENSEMBLE
+        out = []
+        for i, text in enumerate(pieces):
+            if n == 0 and not from_nu:
+                source = "target"
+            elif i < k:
+                source = "draft"
+            else:
+                source = "corrected" if k < n else "bonus"
+            if not ensemble or source == "target":
+                weight = None
+            elif source == "bonus":  # from ν (step.bonus) with its w; w = 1 rows keep p = ν
+                weight = float(weights[i]) if from_nu else self.weight
+            else:
+                weight = float(weights[i])
+            out.append(TokenTrace(source, text, weight, i, n))
+        return out
 
     def send(self, chunk: GenerationChunk) -> None:
         chunk.stats = copy.deepcopy(self.stats)

@@ -18,25 +18,43 @@ cost one extra forward instead, which the planner prices in when it picks the Ns
 
 Slots are handed out lowest-first so that a busy batch usually occupies `0..R-1` and the KV cache
 read is a view rather than a gather.
+
+Fault isolation: an exception while prefilling or stepping fails only the rows that cause it.
+    prefill   retried row by row; a row whose own prefill raises is failed.
+    round     `run_round` changes a row's state only in its last stage (`advance`, row by row, in
+              order) apart from drawing its coins; the coins are put back from a snapshot of each
+              row's generator. If some rows had advanced, the last of them raised (the rest run
+              next step). Otherwise every row is run alone: the ones that raise alone are failed,
+              the others get exactly the tokens they would have got (a row's draws depend only on
+              its own stream, so its output is the same alone or batched).
+    engine    when every suspect failed alone, a probe request (`probe`, a tiny fresh row) is run;
+              if it raises too, the engine itself is broken: `fault` is set, every row fails and
+              the loop stops (the process should exit, see protocol.engine_fault). Failed rows get
+              EngineError 'internal' naming the exception type (messages may quote data).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
+from server.engine.protocol import EngineError
 from server.engine.round_timers import StepTimers
 from server.engine.row import Row
 from server.engine.step import Models, prefill, run_round
 
+log = logging.getLogger("dialspec.engine")
+
 
 class Scheduler:
-    def __init__(self, models: Models, max_batch: int):
+    def __init__(self, models: Models, max_batch: int, probe: Callable[[], Row] | None = None):
         self.models = models
         self.max_batch = max_batch
+        self.probe = probe  # builds a tiny known-good row, run to tell a bad request from a bad engine
         self.timers = StepTimers()
         self._free = list(range(max_batch))
         self._waiting: deque[Row] = deque()
@@ -44,11 +62,19 @@ class Scheduler:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.error: BaseException | None = None
+        self.fault: BaseException | None = None  # unrecoverable: set once, the loop has stopped
+        self.faults = 0  # requests failed by an isolated fault (the engine went on)
+
+    @property
+    def error(self) -> BaseException | None:
+        """Alias of `fault` for callers that poll for an engine failure."""
+        return self.fault
 
     # -- thread-safe API -------------------------------------------------------------------
     def submit(self, row: Row) -> None:
         with self._cv:
+            if self.fault is not None:
+                raise EngineError(f"engine failed: {type(self.fault).__name__}", "unavailable")
             self._waiting.append(row)
             self._cv.notify()
 
@@ -63,6 +89,10 @@ class Scheduler:
     def load(self) -> dict[str, int]:
         with self._cv:
             return {"running": len(self._running), "waiting": len(self._waiting)}
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
         self._stopping = False
@@ -95,12 +125,21 @@ class Scheduler:
                     return
             try:
                 self.step()
-            except BaseException as exc:  # a model failure must reach every caller, not kill silently
-                self.error = exc
-                for row in list(self._running):
-                    row.fail(exc)
-                    self._retire(row)
-                time.sleep(0.01)
+            except BaseException as exc:  # step() isolates request faults: this is the engine's own
+                self._die(exc)
+                return
+
+    def _die(self, exc: BaseException) -> None:
+        log.critical("engine fault, the engine stops: %s", type(exc).__name__, exc_info=exc)
+        err = EngineError(f"engine failed: {type(exc).__name__}", "unavailable")
+        with self._cv:
+            self.fault = exc
+            rows = [*self._running, *self._waiting]
+            self._running.clear()
+            self._waiting.clear()
+        for row in rows:
+            if not row.done:
+                row.fail(err)
 
     def _retire(self, row: Row) -> None:
         with self._cv:
@@ -128,7 +167,7 @@ class Scheduler:
         new = self._admit()
         if new:
             with self.timers.phase("prefill", self.models.device):
-                prefill(self.models, new)
+                self._prefill(new)
         live = [row for row in self._running if not row.cancelled and not row.done]
         planner = self.models.planner
         if planner is not None:
@@ -138,10 +177,95 @@ class Scheduler:
         for row in live:
             groups.setdefault(row.num_draft, []).append(row)
         for n, rows in sorted(groups.items()):
-            predicted = planner.predict(rows, n) if planner is not None else None
-            seconds = run_round(self.models, rows, n, self.timers)
-            if predicted is not None:
-                self.timers.record_prediction(seconds, *predicted)
+            self._round(rows, n, planner.predict(rows, n) if planner is not None else None)
         for row in list(self._running):
             if row.cancelled or row.done:
                 self._retire(row)
+
+    # -- fault isolation ---------------------------------------------------------------------
+    def _prefill(self, rows: list[Row]) -> None:
+        try:
+            prefill(self.models, rows)
+            return
+        except Exception as exc:
+            if len(rows) == 1:
+                self._isolated([(rows[0], exc)], survivors=0)
+                return
+        failed = []  # prefill only writes each row's own slot and sets its lengths: safe to redo
+        for row in rows:
+            try:
+                prefill(self.models, [row])
+            except Exception as exc:
+                failed.append((row, exc))
+        self._isolated(failed, survivors=len(rows) - len(failed))
+
+    def _round(self, rows: list[Row], n: int, predicted: tuple[float, float] | None = None) -> None:
+        """`run_round`, isolating faults (module doc); `predicted`: the planner's (live, profile)
+        seconds for this round, compared with the measured time when the round succeeds."""
+        marks = [(row.stats.verify_steps, row.generator.get_state()) for row in rows]
+        try:
+            seconds = run_round(self.models, rows, n, self.timers)
+            if predicted is not None:
+                self.timers.record_prediction(seconds, *predicted)
+            return
+        except Exception as exc:
+            error = exc
+        advanced = [row for row, mark in zip(rows, marks, strict=True) if row.stats.verify_steps != mark[0]]
+        for row, (steps, state) in zip(rows, marks, strict=True):
+            if row.stats.verify_steps == steps:
+                row.generator.set_state(state)  # as if the round had not drawn its coins
+        if advanced:  # `advance` raised on its last row; the unadvanced ones go next step
+            self._isolated([(advanced[-1], error)], survivors=len(advanced) - 1)
+            return
+        if len(rows) == 1:
+            self._isolated([(rows[0], error)], survivors=0)
+            return
+        failed = []
+        for row, (steps, state) in zip(rows, marks, strict=True):
+            try:
+                run_round(self.models, [row], n, self.timers)
+            except Exception as exc:
+                if row.stats.verify_steps == steps:
+                    row.generator.set_state(state)
+                failed.append((row, exc))
+        self._isolated(failed, survivors=len(rows) - len(failed))
+
+    def _isolated(self, failed: list[tuple[Row, Exception]], survivors: int) -> None:
+        """Fail the rows that raised; if none of the suspects got through, check the engine."""
+        for row, exc in failed:
+            log.error(
+                "request %s faulted the engine (%s); failing it alone",
+                row.request.request_id,
+                type(exc).__name__,
+                exc_info=exc,
+            )
+            self.faults += 1
+            row.fail(
+                EngineError(
+                    f"the engine failed on this request ({type(exc).__name__}); other requests "
+                    "are unaffected",
+                    "internal",
+                )
+            )
+            self._retire(row)
+        if failed and not survivors:
+            self._check_engine()
+
+    def _check_engine(self) -> None:
+        """Run the probe row; raises (so the loop declares a fault) if the engine cannot serve it."""
+        if self.probe is None:
+            return
+        with self._cv:
+            if not self._free:
+                return
+            slot = self._free.pop(0)
+        row = self.probe()
+        row.slot = slot
+        try:
+            prefill(self.models, [row])
+            run_round(self.models, [row], row.num_draft, self.timers)
+        finally:
+            row.slot = -1
+            with self._cv:
+                self._free.append(slot)
+                self._free.sort()

@@ -16,29 +16,37 @@ plugin reads per row inside the verify step. Prompts are tokenized here with the
 tokenizer (the same chat template as the embedded engine) and sent as `input_ids`, so the
 runtime and the gateway agree on prompt token counts.
 
+Capabilities (declared in `info`, refused with EngineError('invalid_request') rather than
+dropped): the ensemble rule only (the plugin patches SGLang's chain rejection sampler, which has
+no lossy/cascade/typical variants); one N per runtime (`--speculative-num-steps`), so a request
+may name only that N; the learned head only when the runtime was launched with one (`has_head`,
+the operator's statement, checked against the runtime's CUDA-graph settings at start).
+
+Readiness (`readiness()`): `server.engine.sglang_readiness`'s w = 0 probe, run at start and every
+`probe.interval` seconds in the background; the gateway's `/ready` reads the cached result.
+
 No torch import: transformers' tokenizer is imported lazily, on first use.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
 
-from server.engine.protocol import (
-    EngineError,
-    EngineInfo,
-    GenerationChunk,
-    GenerationRequest,
-    SpecStats,
-)
+from server.engine.protocol import EngineError, EngineInfo, GenerationChunk, GenerationRequest
+from server.engine.sglang_readiness import NOT_PROBED, PROBE_PROMPT, ProbeConfig, run_probe
+from server.engine.sglang_stream import StreamState, error_message, kind_for_status, stats_from_meta
+from verifier.dial import PolicyKind
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-# U+FFFD at the end of cumulative text is an incomplete multi-byte character being decoded;
-# holding it back keeps the promise that a text delta never splits a character.
-_REPLACEMENT = "\ufffd"
+__all__ = ["SGLangEngine", "sampling_params_for", "stats_from_meta", "unsupported_reason"]
+
+logger = logging.getLogger(__name__)
 
 
 def sampling_params_for(request: GenerationRequest) -> dict[str, Any]:
@@ -57,49 +65,15 @@ def sampling_params_for(request: GenerationRequest) -> dict[str, Any]:
         out["stop_token_ids"] = list(s.stop_token_ids)
     if s.seed is not None:
         out["sampling_seed"] = s.seed
+    if s.ignore_eos:
+        out["ignore_eos"] = True
     return out
 
 
-def stats_from_meta(meta: dict[str, Any], weight: float) -> SpecStats:
-    """Per-request speculative counters from SGLang's `meta_info` (zeros when it sent none).
-
-    SGLang counts proposals as verify rounds × N, so `drafts` = `spec_verify_ct`. It reports no
-    per-position acceptance, so `accepted_per_position` stays empty. The mean weight is the
-    request's static w (a learned head's per-token w is not reported back by the runtime).
-    """
-    rounds = int(meta.get("spec_verify_ct") or 0)
-    proposed = int(meta.get("spec_num_proposed_drafts") or 0)
-    return SpecStats(
-        drafts=rounds,
-        draft_tokens=proposed,
-        accepted_tokens=int(meta.get("spec_num_correct_drafts") or 0),
-        weight_sum=weight * proposed,
-        weight_count=proposed,
-        verify_steps=rounds,
-    )
-
-
-def _error_message(body: bytes | str) -> str:
-    """SGLang error bodies: `{"error": {"message": ...}}`, `{"message": ...}` or plain text."""
-    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return text.strip()[:500] or "no detail"
-    if isinstance(data, dict):
-        err = data.get("error", data)
-        if isinstance(err, dict):
-            return str(err.get("message") or err)
-        return str(err)
-    return text[:500]
-
-
-def _kind_for_status(status: int) -> str:
-    if status in (400, 404, 413, 422):
-        return "invalid_request"
-    if status == 429:
-        return "capacity"
-    return "unavailable"
+def unsupported_reason(info: EngineInfo, request: GenerationRequest) -> str | None:
+    """Why `request` asks for something the runtime described by `info` cannot do, or None
+    (autoregressive requests are served as w = 1: exactly the target)."""
+    return info.unsupported(request.verify)
 
 
 class SGLangEngine:
@@ -119,7 +93,11 @@ class SGLangEngine:
         read_timeout: float = 120.0,
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        probe: ProbeConfig | None = None,
     ):
+        """`has_head`: the runtime was launched with a learned head (`dialspec runtime launch
+        --head`); the runtime does not report it, so the operator states it. `probe`: the
+        readiness probe's schedule and size (default `ProbeConfig()`)."""
         self.base_url = base_url.rstrip("/")
         self.tokenizer_dir = tokenizer_dir
         self.info = EngineInfo(
@@ -129,6 +107,8 @@ class SGLangEngine:
             num_draft=num_draft,
             has_head=has_head,
             backend="sglang",
+            policies=(PolicyKind.ENSEMBLE,),
+            max_num_draft=None,  # one N per runtime (--speculative-num-steps)
         )
         # read_timeout bounds the gap between two chunks (and the wait for the first one).
         self._timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
@@ -137,11 +117,16 @@ class SGLangEngine:
         self._client: httpx.AsyncClient | None = None
         self._tokenizer = None
         self._running = 0
+        self.probe = probe or ProbeConfig()
+        self._not_ready: str | None = NOT_PROBED
+        self._probe_task: asyncio.Task | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the connection pool and check `/health`; EngineError('unavailable') if down."""
+        """Open the pool, check `/health` (EngineError('unavailable') if down), check the head
+        setting against the runtime, run the first plugin probe and schedule the next ones.
+        A failed probe does not fail start: it makes `readiness()` report the reason."""
         self._client = httpx.AsyncClient(
             base_url=self.base_url, timeout=self._timeout, headers=self._headers, transport=self._transport
         )
@@ -157,12 +142,71 @@ class SGLangEngine:
             raise EngineError(
                 f"SGLang runtime at {self.base_url} unhealthy: HTTP {resp.status_code}", "unavailable"
             )
+        if self.info.has_head:
+            await self._check_head_setting()
+        await self.probe_now()
+        self._probe_task = asyncio.create_task(self._probe_loop(), name="dialspec-sglang-probe")
+
+    async def _check_head_setting(self) -> None:
+        """A head needs every CUDA graph off (the plugin refuses to start otherwise), so a runtime
+        whose `/server_info` shows a graph backend on was not launched with one."""
+        try:
+            resp = await self._client.get("/server_info")
+            config = resp.json().get("cuda_graph_config") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            config = None
+        if not isinstance(config, dict):
+            return  # older or proxied runtime (a router): nothing to check against
+        on = [phase for phase, c in config.items() if isinstance(c, dict) and c.get("backend") != "disabled"]
+        if on:
+            await self.stop()
+            raise EngineError(
+                f"has_head is set but the SGLang runtime at {self.base_url} runs CUDA graphs "
+                f"({', '.join(on)}), which a learned head forbids: it was not launched with --head",
+                "unavailable",
+            )
 
     async def stop(self) -> None:
         """Close the pool; open streams are cut, which makes SGLang abort those requests."""
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._probe_task
+            self._probe_task = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+    # -- readiness ---------------------------------------------------------------------------
+
+    async def readiness(self) -> str | None:
+        """None when the last probe proved the plugin live, else the reason (see
+        server.engine.sglang_readiness). Answers from the cached result; never blocks on HTTP."""
+        if self._client is None:
+            return "the SGLang engine is not started"
+        return self._not_ready
+
+    async def probe_now(self) -> str | None:
+        """Run one probe now, store and return its result."""
+        if self._client is None:
+            self._not_ready = "the SGLang engine is not started"
+            return self._not_ready
+        try:
+            prompt = await asyncio.to_thread(self.encode_prompt, PROBE_PROMPT)
+        except Exception as exc:  # a broken tokenizer must not kill the probe loop
+            result = f"the plugin probe could not tokenize its prompt: {exc!r}"
+        else:
+            result = await run_probe(self._client, prompt, self.probe)
+        if result != self._not_ready:
+            log = logger.info if result is None else logger.warning
+            log("SGLang runtime %s: %s", self.base_url, result or "dialspec plugin live (probe passed)")
+        self._not_ready = result
+        return result
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe.interval)
+            await self.probe_now()
 
     def load(self) -> dict[str, int]:
         """Requests this gateway has in flight; the runtime's own queue is not visible here."""
@@ -195,6 +239,9 @@ class SGLangEngine:
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         if self._client is None:
             raise EngineError("SGLang engine not started", "unavailable")
+        reason = unsupported_reason(self.info, request)
+        if reason is not None:
+            raise EngineError(reason, "invalid_request")
         body = {
             "input_ids": list(request.prompt_token_ids),
             "sampling_params": sampling_params_for(request),
@@ -202,15 +249,15 @@ class SGLangEngine:
             "rid": request.request_id,
         }
         weight = 1.0 if request.verify.mode == "autoregressive" else request.verify.weight
-        state = _StreamState(prompt_tokens=len(request.prompt_token_ids), weight=weight)
+        state = StreamState(prompt_tokens=len(request.prompt_token_ids), weight=weight)
         self._running += 1
         try:
             async with self._client.stream("POST", "/generate", json=body) as resp:
                 if resp.status_code != 200:
-                    detail = _error_message(await resp.aread())
+                    detail = error_message(await resp.aread())
                     raise EngineError(
                         f"SGLang /generate HTTP {resp.status_code}: {detail}",
-                        _kind_for_status(resp.status_code),
+                        kind_for_status(resp.status_code),
                     )
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
@@ -234,67 +281,3 @@ class SGLangEngine:
             raise EngineError(f"SGLang runtime request failed: {exc!r}", "unavailable") from exc
         finally:
             self._running -= 1
-
-
-class _StreamState:
-    """Turns SGLang's cumulative chunks into dialspec's incremental ones."""
-
-    def __init__(self, prompt_tokens: int, weight: float):
-        self.prompt_tokens = prompt_tokens
-        self.weight = weight
-        self.text_sent = ""
-        self.ids_sent = 0
-        self.completion_tokens = 0
-        self.meta: dict[str, Any] = {}
-        self.emitted_any = False
-
-    def feed(self, data: dict[str, Any]) -> GenerationChunk | None:
-        if "error" in data:
-            err = data["error"]
-            message = err.get("message") if isinstance(err, dict) else str(err)
-            code = err.get("code") if isinstance(err, dict) else None
-            kind = _kind_for_status(code) if isinstance(code, int) else "invalid_request"
-            if self.emitted_any:
-                return self.abort_chunk()
-            raise EngineError(f"SGLang: {message}", kind)
-        meta = data.get("meta_info") or {}
-        self.meta = meta
-        finish = meta.get("finish_reason")
-        finish_type = finish.get("type") if isinstance(finish, dict) else finish
-        if finish_type == "abort" and not self.emitted_any and meta.get("completion_tokens", 0) == 0:
-            status = finish.get("status_code") if isinstance(finish, dict) else None
-            message = finish.get("message") if isinstance(finish, dict) else "aborted"
-            raise EngineError(f"SGLang aborted the request: {message}", _kind_for_status(status or 400))
-        text = data.get("text") or ""
-        ids = list(data.get("output_ids") or [])
-        self.prompt_tokens = int(meta.get("prompt_tokens", self.prompt_tokens))
-        self.completion_tokens = int(meta.get("completion_tokens", len(ids)))
-        visible = text if finish_type else text.rstrip(_REPLACEMENT)
-        # If the detokenizer ever revises earlier text (rare), only what lies past the old length
-        # is sent: a client cannot take back text it has already shown.
-        delta_text = visible[len(self.text_sent) :]
-        if len(visible) > len(self.text_sent):
-            self.text_sent = visible
-        delta_ids = ids[self.ids_sent :]
-        self.ids_sent = max(self.ids_sent, len(ids))
-        if not delta_text and not delta_ids and finish_type is None:
-            return None
-        self.emitted_any = True
-        return GenerationChunk(
-            text=delta_text,
-            token_ids=delta_ids,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            finish_reason=_FINISH.get(finish_type) if finish_type else None,
-            stats=stats_from_meta(meta, self.weight) if finish_type else None,
-        )
-
-    def abort_chunk(self) -> GenerationChunk:
-        return GenerationChunk(
-            text="",
-            token_ids=[],
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            finish_reason="abort",
-            stats=stats_from_meta(self.meta, self.weight),
-        )

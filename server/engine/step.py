@@ -29,7 +29,7 @@ Terms
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -38,6 +38,7 @@ from server.engine.llama import Transformer
 from server.engine.round_timers import StepTimers
 from server.engine.row import Row
 from verifier import PolicyBatch, PolicyKind, logits_to_probs, pick_tokens, tv_estimates, verify
+from verifier.head import position_stats, wants_stats
 
 WeightHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -148,6 +149,7 @@ class Outcome:
     accept_probs: list[list[float]]
     tv: list[list[float]]  # empty for greedy rows (their drafts are argmaxes, not draws from q)
     bonus_rows: list[int]  # rows that took a bonus draft step (see `bonus`)
+    bonus_weights: list[float] = field(default_factory=list)  # their w at the bonus position
 
 
 def _feed_pending(models: Models, b: RoundBatch) -> torch.Tensor:
@@ -202,16 +204,21 @@ def score(models: Models, b: RoundBatch, d: Drafts) -> Scores:
     return Scores(b.probs(models.target.logits(hidden)), hidden)
 
 
-def _head_weights(models: Models, b: RoundBatch, h_draft, h_target, static: torch.Tensor):
-    """`static` `[R, M]` with the learned rows' entries replaced by the head's w_t `[R', M]`."""
+def _learned_weights(models: Models, b: RoundBatch, h_draft, h_target, p, q, static) -> torch.Tensor:
+    """`static` `[R, T]` with the learned rows' entries replaced by the head's w_t, from the states
+    `[R, T, Hd]`, `[R, T, Ht]` and (for heads that read them) p, q `[R, T, V]` at those positions."""
     learned = [i for i, row in enumerate(b.rows) if row.learned]
+    weights = static.clone()
     if not learned:
-        return static
+        return weights
     idx = b.column(learned)
     dial = b.column([b.rows[i].dial for i in learned], torch.float32)  # [R']
-    w_head = models.head(h_draft[idx].float(), h_target[idx].float(), dial)  # [R', M]
-    static[idx] = w_head.to(static.dtype).clamp(0.0, 1.0)
-    return static
+    inputs = [h_draft[idx].float(), h_target[idx].float(), dial]  # [R', T, Hd], [R', T, Ht], [R']
+    if wants_stats(models.head):  # p and q at these positions, after the sampling transform
+        inputs.append(position_stats(p[idx], q[idx]))  # [R', T, 5]
+    w_head = models.head(*inputs)  # [R', T]
+    weights[idx] = w_head.to(weights.dtype).clamp(0.0, 1.0)
+    return weights
 
 
 def ensemble_weights(models: Models, b: RoundBatch, d: Drafts, s: Scores):
@@ -222,9 +229,9 @@ def ensemble_weights(models: Models, b: RoundBatch, d: Drafts, s: Scores):
     r, n = b.size, b.n
     if not any(row.learned for row in b.rows) or n == 0:
         return _param(b.rows, "weight", b.device), [[row.weight] * n for row in b.rows]
-    static = b.column([row.weight for row in b.rows], torch.float32).view(-1, 1).expand(r, n).clone()
-    weights = _head_weights(models, b, d.hidden, s.hidden[:, :n], static)  # [R, N]
-    return weights, weights.tolist()
+    static = b.column([row.weight for row in b.rows], torch.float32).view(-1, 1).expand(r, n)  # [R, N]
+    weights = _learned_weights(models, b, d.hidden, s.hidden[:, :n], s.probs[:, :n], d.probs, static)
+    return weights, weights.tolist()  # [R, N]
 
 
 def check(b: RoundBatch, d: Drafts, s: Scores, weights) -> Outcome:
@@ -274,26 +281,27 @@ def bonus(models: Models, b: RoundBatch, d: Drafts, s: Scores, out: Outcome) -> 
         h = models.draft(x_last, sub.slots, starts, models.draft_cache, sub.contiguous)[:, 0]  # [R', Hd]
     q = sub.probs(models.draft.logits(h))  # [R', V]
     rows = sub.column(idx)
-    w = sub.column([row.weight for row in sub.rows], torch.float32).view(-1, 1)  # [R', 1]
-    if models.head is not None:
-        w = _head_weights(models, sub, h.unsqueeze(1), s.hidden[rows, n : n + 1], w)  # [R', 1]
+    p = s.probs[rows, n : n + 1]  # [R', 1, V]
+    static = sub.column([row.weight for row in sub.rows], torch.float32).view(-1, 1)  # [R', 1]
+    w = _learned_weights(models, sub, h.unsqueeze(1), s.hidden[rows, n : n + 1], p, q.unsqueeze(1), static)
     vocab = q.shape[-1]
     result = verify(
-        s.probs[rows, n : n + 1], q.new_zeros(len(idx), 0, vocab), d.tokens.new_zeros(len(idx), 0), w,
-        bonus_probs=q, greedy=sub.greedy, uniforms=sub.u_verify[:, n : n + 1], validate=False,
+        p, q.new_zeros(len(idx), 0, vocab), d.tokens.new_zeros(len(idx), 0), w, bonus_probs=q,
+        greedy=sub.greedy, uniforms=sub.u_verify[:, n : n + 1], validate=False,
     )  # fmt: skip
     for i, token in zip(idx, result.tokens[:, 0].tolist(), strict=True):
         out.tokens[i][n] = token
+    out.bonus_weights = w[:, 0].tolist()
 
 
 def advance(b: RoundBatch, out: Outcome, weights: list) -> None:
     """Each row appends its own k + 1 tokens. The target cache keeps pending + k accepted drafts;
     the draft cache keeps the accepted drafts it consumed: min(k, N − 1), or N after a bonus step
     (which fed x_N; at N = 0 it fed the pending tokens)."""
-    fed = set(out.bonus_rows)
+    fed = dict(zip(out.bonus_rows, out.bonus_weights, strict=True))  # row -> its bonus w
     for i, (row, k, toks, w) in enumerate(zip(b.rows, out.num_accepted, out.tokens, weights, strict=True)):
         old_len = len(row.seq)
-        row.record_round(k, w, b.n)
+        row.record_round(k, [*w, fed[i]] if i in fed else w, b.n, bonus_from_nu=i in fed)
         row.tlen = old_len + k
         if i in fed:
             row.dlen = old_len + b.n

@@ -8,6 +8,7 @@ Terms:
              `Overloaded` (the gateway answers 429 with Retry-After) instead of queueing unboundedly.
 
 FIFO: a small request never jumps a large one queued before it, so nothing starves.
+Closing (shutdown): waiters and later `acquire` calls get `Closed`; running requests keep their slots.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ class Overloaded(Exception):
     """No slot and the waiting queue is full."""
 
 
+class Closed(Exception):
+    """The server is shutting down and admits nothing more."""
+
+
 class Admission:
     def __init__(self, max_running: int, max_waiting: int):
         if max_running < 1 or max_waiting < 0:
@@ -30,6 +35,7 @@ class Admission:
         self.running = 0  # slots in use
         self.running_requests = 0
         self._queue: deque[tuple[int, asyncio.Future]] = deque()
+        self.closed = False
 
     @property
     def waiting_requests(self) -> int:
@@ -43,6 +49,8 @@ class Admission:
         """Wait for `slots` slots; raises Overloaded when the queue is full (fast, no waiting)."""
         if slots > self.max_running:
             raise ValueError(f"a request needs {slots} slots but the server runs at most {self.max_running}")
+        if self.closed:
+            raise Closed()
         if not self._queue and self.running + slots <= self.max_running:
             self.running += slots
             self.running_requests += 1
@@ -55,12 +63,20 @@ class Admission:
         try:
             await fut
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.release(slots)  # granted just as the waiter went away: hand it on
-            else:
+            elif entry in self._queue:
                 self._queue.remove(entry)
                 self._grant()  # the head may have been blocking smaller requests behind it
             raise
+
+    def close(self) -> None:
+        """Admit nothing more: every waiter gets `Closed` now."""
+        self.closed = True
+        while self._queue:
+            _, fut = self._queue.popleft()
+            if not fut.done():
+                fut.set_exception(Closed())
 
     def release(self, slots: int = 1) -> None:
         self.running -= slots

@@ -75,6 +75,7 @@ def embedded_engine(args, pair: PairChoice):
 
 def sglang_engine(args):
     from server.engine.sglang_client import SGLangEngine
+    from server.engine.sglang_readiness import ProbeConfig
 
     return SGLangEngine(
         args.sglang_url,
@@ -83,4 +84,6 @@ def sglang_engine(args):
         num_draft=args.num_draft or 5,  # SGLang's N is server-wide and fixed
         max_context=args.max_context,
         max_batch=args.max_batch,
+        has_head=args.sglang_has_head,
+        probe=ProbeConfig(interval=args.sglang_probe_interval),
     )

@@ -64,38 +64,81 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def from_engine_error(exc: EngineError) -> APIError:
-    """EngineError.kind -> HTTP status: invalid_request 400, capacity 429, unavailable 503."""
+    """EngineError.kind -> HTTP status: invalid_request 400, capacity 429, unavailable 503,
+    internal 500 (the engine faulted on this request alone and goes on serving)."""
     if exc.kind == "invalid_request":
         return APIError(400, str(exc), code="invalid_request")
     if exc.kind == "capacity":
         return APIError(429, str(exc), code="engine_capacity", headers={"Retry-After": "1"})
+    if exc.kind == "internal":
+        return APIError(500, str(exc), code="engine_fault")
     return APIError(503, str(exc), code="engine_unavailable")
+
+
+def _is_union_tag(part: str) -> bool:
+    # Pydantic appends the union member tried ("str", "constrained-int", "list[str]", ...).
+    return any(c in part for c in "[]-") or part in ("str", "int", "float", "bool")
 
 
 def _loc_to_param(loc) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
-    # Pydantic appends the union member tried ("str", "list[str]", ...) to the location; drop it.
-    parts = [p for p in parts if not any(c in p for c in "[]") and p not in ("str", "int", "float")]
-    return ".".join(parts) or None
+    return ".".join(p for p in parts if not _is_union_tag(p)) or None
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _best(errors: list[dict]) -> dict:
+    """The error to report. A value that fails a union gets one error per member tried; report
+    the member the client meant: one whose shape matched (only constraint errors, e.g. [1, -2] is
+    a token list with a negative id, not a malformed string), else the one that got deepest."""
+    groups: dict[tuple, list[dict]] = {}
+    for e in errors:
+        loc = [str(p) for p in e.get("loc", ())]
+        tag = next((i for i, p in enumerate(loc) if _is_union_tag(p)), None)
+        groups.setdefault(tuple(loc[: tag + 1]) if tag is not None else (), []).append(e)
+
+    def depth(e: dict) -> int:
+        return sum(not _is_union_tag(str(p)) for p in e.get("loc", ()))
+
+    def rank(group: list[dict]):
+        shape_ok = not any(str(e.get("type", "")).endswith("_type") for e in group)
+        return (shape_ok, max(map(depth, group)), -len(group))
+
+    best = max(groups.values(), key=rank)
+    return max(best, key=depth)
+
+
+_COMPLETION_LENGTH = ("max_tokens", "max_completion_tokens")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    """(message, param, code) for the most relevant problem of a failed validation."""
     errors = exc.errors()
     if not errors:
-        return "invalid request body", None
-    first = errors[0]
+        return "invalid request body", None, "invalid_value"
+    first = _best(errors)
     param = _loc_to_param(first.get("loc", ()))
     msg = first.get("msg", "invalid value")
     if "UNSUPPORTED:" in msg:  # raised by schemas._Common._unsupported
         name = msg.split("UNSUPPORTED:", 1)[1].strip()
-        return f"'{name}' is not supported by this server; remove it from the request", name
+        return (
+            f"'{name}' is not supported by this server; remove it from the request",
+            name,
+            "unsupported_parameter",
+        )
     if first.get("type") == "json_invalid":
-        return "request body is not valid JSON", None
+        return "request body is not valid JSON", None, "invalid_value"
     if first.get("type") == "missing" and param:
-        return f"'{param}' is a required property", param
-    if len(errors) > 1:
-        msg += f" (and {len(errors) - 1} more problem(s))"
-    return (f"{param}: {msg}" if param else msg), param
+        return f"'{param}' is a required property", param, "invalid_value"
+    if param in _COMPLETION_LENGTH and first.get("type") == "less_than_equal":
+        # the limit is the context window less one prompt token (schemas.Limits.max_tokens)
+        return (
+            f"{param}: {msg}, the model's context window less one prompt token",
+            param,
+            "context_length_exceeded",
+        )
+    fields = {_loc_to_param(e.get("loc", ())[:2]) for e in errors} - {_loc_to_param(first.get("loc", ())[:2])}
+    if fields:
+        msg += f" (and problems with {', '.join(sorted(str(f) for f in fields))})"
+    return (f"{param}: {msg}" if param else msg), param, "invalid_value"
 
 
 def install(app: FastAPI) -> None:
@@ -107,8 +150,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        code = "unsupported_parameter" if "not supported" in message else "invalid_value"
+        message, param, code = _validation_message(exc)
         return APIError(400, message, param=param, code=code).response()
 
     @app.exception_handler(EngineError)

@@ -26,6 +26,24 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before the response was complete."""
 
 
+class ServerShuttingDown(Exception):
+    """The drain's grace period ended before this request finished (MultiStream.shutdown)."""
+
+
+_SHUTDOWN = object()  # queue sentinel: the server is ending this request
+
+
+def trace_entries(chunk: GenerationChunk) -> list[dict] | None:
+    """The chunk's `dialspec_trace` entries (schemas.TraceToken), None when it carries none."""
+    if chunk.provenance is None:
+        return None
+    return [
+        {"token_id": tok, "text": t.text, "source": t.source, "w": t.weight, "position": t.position,
+         "num_draft": t.num_draft}
+        for tok, t in zip(chunk.token_ids, chunk.provenance, strict=True)
+    ]  # fmt: skip
+
+
 class MultiStream:
     """Runs one engine stream per choice concurrently and yields `(choice_index, chunk)` in arrival
     order. `aclose()` cancels every stream still running and closes its engine iterator."""
@@ -57,10 +75,16 @@ class MultiStream:
             if aclose is not None:
                 await aclose()
 
+    def shutdown(self) -> None:
+        """End the request now: its consumer's `next_event` raises ServerShuttingDown."""
+        self._queue.put_nowait((-1, _SHUTDOWN))
+
     async def next_event(self) -> tuple[int, GenerationChunk] | None:
         """The next chunk of any choice, or None once every choice has finished."""
         while self._remaining:
             index, item = await self._queue.get()
+            if item is _SHUTDOWN:
+                raise ServerShuttingDown()
             if item is None:
                 self._remaining -= 1
             elif isinstance(item, Exception):
@@ -92,6 +116,7 @@ class Tracker:
     finish: list[str | None] = field(init=False)
     completion_tokens: list[int] = field(init=False)
     stats: list[SpecStats | None] = field(init=False)
+    traces: list[list[dict] | None] = field(init=False)  # per choice, with dialspec_trace only
     _last: list[float | None] = field(init=False)
     failed: bool = False  # answered with an error before any output: not a finished sequence
     _first_at: float | None = None
@@ -103,6 +128,7 @@ class Tracker:
         self.finish = [None] * n
         self.completion_tokens = [0] * n
         self.stats = [None] * n
+        self.traces = [None] * n
         self._last = [None] * n
 
     def on_chunk(self, index: int, chunk: GenerationChunk) -> None:
@@ -118,6 +144,10 @@ class Tracker:
             self._last[index] = now
         if chunk.text:
             self.texts[index].append(chunk.text)
+        if chunk.provenance is not None:
+            if self.traces[index] is None:
+                self.traces[index] = []
+            self.traces[index].extend(trace_entries(chunk))
         self.completion_tokens[index] = chunk.completion_tokens
         if chunk.finish_reason is not None:
             self.finish[index] = chunk.finish_reason
@@ -164,6 +194,10 @@ class Tracker:
             s.weight_sum += st.weight_sum
             s.weight_count += st.weight_count
             s.verify_steps += st.verify_steps
+            for pos, count in enumerate(st.accepted_per_position):
+                if pos == len(s.accepted_per_position):
+                    s.accepted_per_position.append(0)
+                s.accepted_per_position[pos] += count
         mean_w = s.mean_weight
         verify = self.dial.verification
         if mean_w is None and s.drafts and verify.policy == PolicyKind.ENSEMBLE and not verify.learned:
@@ -179,6 +213,7 @@ class Tracker:
             "acceptance_rate": s.acceptance_rate,
             "mean_accepted_length": s.mean_accepted_length,
             "verify_steps": s.verify_steps,
+            "accepted_per_position": s.accepted_per_position,
         }
 
 

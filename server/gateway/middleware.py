@@ -10,15 +10,22 @@ import hmac
 
 from server.gateway.errors import APIError
 
+DOCS_PATHS = ("/docs", "/redoc", "/openapi.json")
+
 
 class GuardMiddleware:
-    """401 for a missing/wrong Bearer key on /v1/* (when keys are configured); 413 for a body over
-    `max_body_bytes` (by Content-Length up front, or counted while reading a chunked body)."""
+    """401 for a missing/wrong Bearer key on /v1/* and on `protected` paths (when keys are
+    configured); 413 for a body over `max_body_bytes` (by Content-Length up front, or counted
+    while reading a chunked body)."""
 
-    def __init__(self, app, *, api_keys: list[str], max_body_bytes: int):
+    def __init__(self, app, *, api_keys: list[str], max_body_bytes: int, protected: tuple[str, ...] = ()):
         self.app = app
         self.api_keys = [k.encode() for k in api_keys]
         self.max_body_bytes = max_body_bytes
+        self.protected = protected  # exact paths or prefixes ("/docs" covers "/docs/oauth2-redirect")
+
+    def _needs_key(self, path: str) -> bool:
+        return path.startswith("/v1/") or any(path == p or path.startswith(p + "/") for p in self.protected)
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         value = headers.get(b"authorization", b"")
@@ -32,7 +39,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_keys and scope["path"].startswith("/v1/") and not self._authorized(headers):
+        if self.api_keys and self._needs_key(scope["path"]) and not self._authorized(headers):
             err = APIError(
                 401,
                 "missing or invalid API key; send 'Authorization: Bearer <key>'",

@@ -1,4 +1,4 @@
-"""Request and response bodies of the OpenAI-compatible API, plus the dialspec extensions.
+"""Request bodies of the OpenAI-compatible API, plus the dialspec extensions (responses: responses.py).
 
 Unknown fields are ignored (clients send `store`, `metadata`, ...), except those in `UNSUPPORTED`:
 fields whose *absence* would change what the client gets back (tools, logprobs, response_format,
@@ -13,10 +13,13 @@ dialspec extensions (top level; the `openai` client's `extra_body` puts them the
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
+from annotated_types import Ge, Le
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -26,7 +29,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
+from server.engine.protocol import MAX_TOP_K, MIN_TOP_P
 from verifier.dial import POLICY_NAMES
 
 # field -> value(s) that are the same as not sending it (accepted and ignored)
@@ -52,23 +57,96 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+# Cross-field rules the validators enforce, stated in the JSON schema (`allOf` of if/then):
+# what `_Common._unsupported` checks: stream_options needs stream true.
+STREAM_RULE = {
+    "if": {"properties": {"stream_options": {"type": "object"}}, "required": ["stream_options"]},
+    "then": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+}
+
+
+def _json_equal(a, b) -> bool:
+    """Equality as JSON means it: false is not 0."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    return a == b
+
+
+def _add_rules(schema: dict, *rules: dict) -> None:
+    """The schema's extras: cross-field rules, and the unsupported fields with their neutral values."""
+    schema.setdefault("allOf", []).extend(rules)
+    for name, neutral in UNSUPPORTED.items():
+        values = [v for i, v in enumerate(neutral) if not any(_json_equal(v, w) for w in neutral[:i])]
+        schema["properties"][name] = {
+            "enum": values,
+            "description": "not supported: accepted only with a value that means 'off' (others get 400)",
+        }
+
+
+def choice_rules(max_choices: int) -> list[dict]:
+    """n x prompts <= max_choices (prepare.plan): with k >= 2 prompts (an array of strings or of
+    token-id arrays), n <= max_choices // k."""
+    batch = {"type": "array", "items": {"type": ["string", "array"]}}
+    return [
+        {
+            "if": {"properties": {"prompt": {**batch, "minItems": k}}, "required": ["prompt"]},
+            "then": {"properties": {"n": {"maximum": max_choices // k}}},
+        }
+        for k in range(2, max_choices + 1)
+    ]
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _Common(BaseModel):
-    """Fields shared by chat and text completions."""
+def _integer_only(value):
+    # JSON Schema's "integer" admits 59.0 (the lax int below does too, and refuses 59.5), but
+    # true is not 1 and "59" is not 59.
+    if isinstance(value, (bool, str)):
+        kind = {"kind": type(value).__name__}
+        raise PydanticCustomError("int_type", "Input should be an integer, not {kind}", kind)
+    return value
 
-    model_config = ConfigDict(extra="allow")
+
+def json_int(ge: int | None = None, le: int | None = None):
+    """An integer field type in [ge, le] (the bounds sit inside, before the validator, so that
+    the JSON schema says minimum/maximum)."""
+    bounds = [b for b in (None if ge is None else Ge(ge), None if le is None else Le(le)) if b is not None]
+    return Annotated[(int, *bounds, BeforeValidator(_integer_only))]
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+# JSON's interoperable integers (RFC 8259, section 6): past them, clients and validators that read
+# numbers as doubles round, and would see 2^63 + 192 as an allowed 2^63.
+JSON_SAFE_INT = 2**53 - 1
+
+
+class _Common(BaseModel):
+    """Fields shared by chat and text completions. Numbers are strict (JSON true is not 1 and
+    "2" is not 2); `request_models` narrows the limits that depend on the engine and settings."""
+
+    model_config = ConfigDict(
+        extra="allow", json_schema_extra=lambda schema, _cls: _add_rules(schema, STREAM_RULE)
+    )
 
     model: str = Field(min_length=1, max_length=256)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)  # vLLM/SGLang extension; 0 = off
-    n: int = Field(1, ge=1, le=128)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    max_tokens: json_int(ge=1) | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True, allow_inf_nan=False)
+    top_p: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        strict=True,
+        allow_inf_nan=False,
+        description=f"values below {MIN_TOP_P} keep only the most likely token, as {MIN_TOP_P} does",
+    )
+    top_k: json_int(ge=0, le=MAX_TOP_K) | None = Field(
+        None, description="vLLM/SGLang extension; 0 = off, >= vocabulary size = off"
+    )
+    n: json_int(ge=1) = 1
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=4)] | None = None
+    seed: json_int(-JSON_SAFE_INT, JSON_SAFE_INT) | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
@@ -86,24 +164,24 @@ class _Common(BaseModel):
     mode: Literal["speculative", "autoregressive"] | None = Field(
         None, description="dialspec: 'autoregressive' runs the target alone (speed baseline)"
     )
-    num_draft: int | None = Field(None, ge=1, le=64, description="dialspec: draft length N for this request")
+    # The range is the engine's (EngineInfo.num_draft_limit), checked by verifier.dial.
+    num_draft: json_int() | None = Field(None, description="dialspec: draft length N for this request")
+    dialspec_trace: StrictBool = Field(
+        False,
+        description="dialspec: report each token's provenance (draft / corrected / bonus / target) and "
+        "the w applied at its position, as `dialspec_trace` in every choice and streamed chunk choice. "
+        "Backends that cannot report it (SGLang) answer 400.",
+    )
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, value):
-        if isinstance(value, str):
-            value = [value]
-        if value is not None:
-            if len(value) > 4:
-                raise ValueError("at most 4 stop sequences")
-            if any(not s for s in value):
-                raise ValueError("stop sequences must be non-empty strings")
-        return value
+        return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _unsupported(self):
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+            if name in UNSUPPORTED and not any(_json_equal(value, v) for v in UNSUPPORTED[name]):
                 raise ValueError(f"UNSUPPORTED:{name}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
@@ -130,24 +208,23 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: json_int(ge=1) | None = None
+
+    def prompt_count(self) -> int:
+        return 1
+
+
+TokenId = json_int(ge=0)
 
 
 class CompletionRequest(_Common):
     # A string, token ids, or a batch of either (each prompt gets n choices).
-    prompt: str | list[str] | list[int] | list[list[int]]
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, value):
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("prompt must not be empty")
-            if isinstance(value[0], list) and any(not p for p in value):
-                raise ValueError("token-id prompts must not be empty")
-            if isinstance(value[0], int) and any(t < 0 for t in value):
-                raise ValueError("token ids must be non-negative")
-        return value
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str):
@@ -156,83 +233,89 @@ class CompletionRequest(_Common):
             return [list(self.prompt)]
         return list(self.prompt)
 
-
-# ---- responses (documented in the OpenAPI schema; handlers build plain dicts of this shape) ----
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
+    def prompt_count(self) -> int:
+        return 1 if isinstance(self.prompt, str) or isinstance(self.prompt[0], int) else len(self.prompt)
 
 
-class DialspecStats(BaseModel):
-    """Per-request speculative decoding report (summed over choices)."""
-
-    policy: str = Field(description="verifier policy, or 'autoregressive'")
-    tier: str = Field(description="tier name, 'custom' for a numeric quality, 'auto', 'autoregressive'")
-    quality: float | None
-    mean_w: float | None = Field(description="mean ensemble weight applied per verified position")
-    drafts: int = Field(description="verify rounds that proposed draft tokens")
-    draft_tokens: int
-    accepted_tokens: int
-    acceptance_rate: float | None = Field(description="accepted_tokens / draft_tokens")
-    mean_accepted_length: float | None = Field(description="1 + accepted_tokens / drafts")
-    verify_steps: int = Field(description="target forward passes")
+_ChatBase, _CompletionBase = ChatCompletionRequest, CompletionRequest
 
 
-class ChatChoice(BaseModel):
-    index: int
-    message: dict[str, Any]
-    finish_reason: str | None
-    logprobs: None = None
+@dataclass(frozen=True)
+class Limits:
+    """What this server accepts, published in its OpenAPI document and enforced by the same
+    models (`request_models`)."""
+
+    max_n: int = 4  # choices per request: n x prompts
+    max_num_draft: int = 8  # the engine's largest per-request N
+    max_tokens: int | None = None  # the context window minus one prompt token
+    vocab_size: int | None = None  # token ids lie in [0, vocab_size)
+    models: tuple[str, ...] = ()  # served model names
+    tiers: tuple[str, ...] = ()  # quality tier names (and 'auto' with a head)
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    dialspec: DialspecStats
+def request_models(lim: Limits) -> tuple[type[ChatCompletionRequest], type[CompletionRequest]]:
+    """Chat and completion request models narrowed to `lim`: what the schema says is what they
+    validate. The dial's own fields keep their checks in verifier.dial; their documented ranges
+    here (quality, num_draft) are the same numbers."""
+    max_id = None if lim.vocab_size is None else lim.vocab_size - 1
+    ids = json_int(ge=0, le=max_id)
+    models = {"enum": list(lim.models)} if lim.models else {}
+    quality_doc = {
+        "anyOf": [
+            {"type": "number", "minimum": 0, "maximum": 1},
+            {"type": "string", "enum": list(lim.tiers)} if lim.tiers else {"type": "string"},
+            {"type": "null"},
+        ]
+    }
+    num_draft_doc = {
+        "anyOf": [{"type": "integer", "minimum": 1, "maximum": lim.max_num_draft}, {"type": "null"}]
+    }
+
+    class _Limited(_Common):
+        model: str = Field(
+            min_length=1,
+            max_length=256,
+            json_schema_extra=models,
+            description="a served name (GET /v1/models); others are answered 404 model_not_found",
+        )
+        max_tokens: json_int(ge=1, le=lim.max_tokens) | None = None
+        n: json_int(ge=1, le=lim.max_n) = Field(1, description=f"choices x prompts must be <= {lim.max_n}")
+        quality: StrictFloat | StrictInt | StrictStr | None = Field(
+            None,
+            description=_Common.model_fields["quality"].description,
+            json_schema_extra=_replace_schema(quality_doc),
+        )
+        num_draft: json_int() | None = Field(
+            None,
+            description="dialspec: draft length N for this request",
+            json_schema_extra=_replace_schema(num_draft_doc),
+        )
+
+    class ChatCompletionRequest(_Limited, _ChatBase):
+        max_completion_tokens: json_int(ge=1, le=lim.max_tokens) | None = None
+
+    class CompletionRequest(_Limited, _CompletionBase):
+        model_config = ConfigDict(
+            json_schema_extra=lambda schema, _cls: _add_rules(schema, STREAM_RULE, *choice_rules(lim.max_n))
+        )
+        prompt: (
+            NonEmptyStr
+            | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=lim.max_n)]
+            | Annotated[list[ids], Field(min_length=1)]
+            | Annotated[
+                list[Annotated[list[ids], Field(min_length=1)]], Field(min_length=1, max_length=lim.max_n)
+            ]
+        )
+
+    return ChatCompletionRequest, CompletionRequest
 
 
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: str | None
-    logprobs: None = None
+def _replace_schema(doc: dict):
+    """A json_schema_extra that swaps the generated type for `doc`, keeping title and description."""
 
+    def update(schema: dict) -> None:
+        for key in ("anyOf", "type", "enum", "minimum", "maximum"):
+            schema.pop(key, None)
+        schema.update(doc)
 
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-    dialspec: DialspecStats
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "dialspec"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
+    return update

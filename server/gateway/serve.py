@@ -53,6 +53,11 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", action="append", dest="api_keys", help="require this Bearer key (repeatable)")
     p.add_argument("--max-waiting", type=int, help="queued requests beyond which the server answers 429")
     p.add_argument(
+        "--drain-timeout",
+        type=float,
+        help="seconds in-flight requests get to finish after SIGTERM (default 30; DIALSPEC_DRAIN_TIMEOUT_S)",
+    )
+    p.add_argument(
         "--backend",
         choices=["embedded", "sglang"],
         default=os.environ.get("DIALSPEC_BACKEND", "embedded"),
@@ -69,6 +74,20 @@ def register(subparsers) -> None:
         help="sglang backend: the pair's tokenizer (dir or HF id; env DIALSPEC_TOKENIZER)",
     )
     p.add_argument(
+        "--sglang-has-head",
+        action="store_true",
+        # The runtime's own variable (server/sglang_plugin/params.py): one setting for both processes.
+        default=bool(os.environ.get("DIALSPEC_HEAD_PATH")),
+        help="sglang backend: the runtime was launched with a learned head, so quality 'auto' is "
+        "served (default: on when DIALSPEC_HEAD_PATH is set, as for the runtime)",
+    )
+    p.add_argument(
+        "--sglang-probe-interval",
+        type=float,
+        default=os.environ.get("DIALSPEC_SGLANG_PROBE_INTERVAL", "60"),  # argparse applies `type`
+        help="sglang backend: seconds between plugin probes behind /ready (default 60)",
+    )
+    p.add_argument(
         "--head",
         default=os.environ.get("DIALSPEC_HEAD"),
         help="learned weight head dir for quality 'auto' (default: the embedded pair's head/; 'none' = off)",
@@ -83,7 +102,12 @@ def _settings(args):
     from server.gateway.settings import load_settings
 
     try:
-        return load_settings(args.config, api_keys=args.api_keys, max_waiting=args.max_waiting)
+        return load_settings(
+            args.config,
+            api_keys=args.api_keys,
+            max_waiting=args.max_waiting,
+            drain_timeout_s=args.drain_timeout,
+        )
     except FileNotFoundError as exc:
         raise CLIError(f"{exc}; fix --config or DIALSPEC_CONFIG") from None
     except ValidationError as exc:
@@ -111,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     args.num_draft = parse_num_draft(str(args.num_draft))
     if args.max_batch < 1:
         raise CLIError("--max-batch must be at least 1")
+    if not args.sglang_probe_interval > 0:
+        raise CLIError("--sglang-probe-interval must be a positive number of seconds")
     if not 0 <= args.port <= 65535:
         raise CLIError("--port must lie in 0..65535")
     settings = _settings(args)
@@ -133,13 +159,16 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"cannot set up the {args.backend} engine: {type(exc).__name__}: {exc}") from None
 
     url = url_of(args.host, sock)
-    banner = f"dialspec: serving '{engine.info.model}' at {url}/v1 (docs {url}/docs, metrics {url}/metrics)"
+    banner = (
+        f"dialspec: serving '{engine.info.model}' at {url}/v1 (playground {url}/playground, "
+        f"docs {url}/docs, metrics {url}/metrics)"
+    )
+    # The gateway drains before uvicorn stops (listen.GatewayServer): by then every response has
+    # been ended, so uvicorn's own wait only lets the last bytes out.
     server = make_server(
-        create_app(engine, settings),
-        {"log_level": args.log_level, "timeout_graceful_shutdown": int(settings.drain_timeout_s) + 5},
-        banner,
+        create_app(engine, settings), {"log_level": args.log_level, "timeout_graceful_shutdown": 15}, banner
     )
     server.run(sockets=[sock])
     if not server.started:
         raise CLIError("the server did not start (the engine failed to load; see the log above)")
-    return 0
+    return server.exit_code

@@ -49,13 +49,17 @@ class GatewaySettings(BaseSettings):
 
     # Request limits.
     max_body_bytes: int = Field(1_000_000, ge=1024)
-    max_n: int = Field(4, ge=1)  # choices per request (n x prompts)
+    max_n: int = Field(4, ge=1)  # choices per request (n x prompts); also capped by max_running
     default_max_tokens: int = Field(256, ge=1)  # when the client sends none (capped by context)
-    max_num_draft: int = Field(16, ge=1)  # upper bound for the per-request `num_draft` extension
+    # (the per-request `num_draft` limit is the engine's: EngineInfo.num_draft_limit)
 
-    # Security and operations.
+    # Security and operations. With api_keys set, /v1/* needs a key; /health and /ready never do
+    # (probes); /metrics and the API docs (/docs, /redoc, /openapi.json) do when these say so.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)  # empty = no auth
+    metrics_need_key: bool = False
+    docs_need_key: bool = False
     log_content: bool = False  # prompts/completions never reach logs unless this is set
+    # Shutdown (SIGTERM): requests in flight get up to this long to finish; new ones get 503.
     drain_timeout_s: float = Field(30.0, ge=0)
 
     @field_validator("api_keys", mode="before")

@@ -7,7 +7,9 @@ Completions: `text_completion` objects with `text`. The stream ends with `data: 
 With `stream_options.include_usage`, every chunk carries `"usage": null` and one final chunk with
 `"choices": []` carries usage and the `dialspec` stats; without it, `dialspec` rides on the last chunk
 that has choices. An error after the stream started is sent as `data: {"error": {...}}` (the
-`openai` client raises it) followed by `[DONE]`.
+`openai` client raises it) followed by `[DONE]`. When a shutdown's grace period ends first, each
+unfinished choice gets a final chunk with `finish_reason: "abort"` (and the usage chunk, when
+asked for), then the error event `server_shutting_down`, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from sse_starlette import EventSourceResponse
 
 from server.engine.protocol import EngineError
 from server.gateway.errors import APIError, from_engine_error
-from server.gateway.generation import MultiStream, Tracker
+from server.gateway.generation import MultiStream, ServerShuttingDown, Tracker, trace_entries
 
 log = logging.getLogger("dialspec.gateway")
 
@@ -42,7 +44,9 @@ class ChunkFormatter:
         }
         self.include_usage = include_usage
 
-    def choice(self, index: int, text: str | None, finish: str | None, role: bool = False) -> dict:
+    def choice(
+        self, index: int, text: str | None, finish: str | None, role: bool = False, trace: list | None = None
+    ) -> dict:
         if self.kind == "chat":
             delta: dict = {}
             if role:
@@ -52,6 +56,8 @@ class ChunkFormatter:
             body: dict = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             body = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if trace is not None:
+            body["dialspec_trace"] = trace
         payload = {**self.base, "choices": [body]}
         if self.include_usage:
             payload["usage"] = None
@@ -72,11 +78,12 @@ async def sse_events(
         while event is not None:
             index, chunk = event
             tracker.on_chunk(index, chunk)
+            trace = trace_entries(chunk)
             if fmt.kind == "chat" and not started[index]:
                 started[index] = True
-                yield {"data": _dump(fmt.choice(index, chunk.text, None, role=True))}
-            elif chunk.text:
-                yield {"data": _dump(fmt.choice(index, chunk.text, None))}
+                yield {"data": _dump(fmt.choice(index, chunk.text, None, role=True, trace=trace))}
+            elif chunk.text or trace:
+                yield {"data": _dump(fmt.choice(index, chunk.text, None, trace=trace))}
             if chunk.finish_reason is not None:
                 payload = fmt.choice(index, None if fmt.kind == "chat" else "", chunk.finish_reason)
                 if fmt.kind == "chat":
@@ -87,12 +94,40 @@ async def sse_events(
             event = await run.next_event()
         if fmt.include_usage:
             yield {"data": _dump(fmt.usage_chunk(tracker.usage(), tracker.dialspec()))}
+    except ServerShuttingDown:
+        for event in _final_chunks(tracker, fmt, started):
+            yield event
+        yield {"data": _dump(shutting_down().body())}
     except EngineError as exc:
         yield {"data": _dump(from_engine_error(exc).body())}
     except Exception as exc:  # never leave the client hanging without [DONE]
         log.exception("stream failed: %s", type(exc).__name__)
         yield {"data": _dump(APIError(500, "internal error while streaming").body())}
     yield {"data": "[DONE]"}
+
+
+def shutting_down() -> APIError:
+    """503 for requests refused or cut short by a shutdown (a fresh object: it is raised)."""
+    return APIError(
+        503,
+        "the server is shutting down; retry the request (on another replica)",
+        code="server_shutting_down",
+        headers={"Retry-After": "1", "Connection": "close"},
+    )
+
+
+def _final_chunks(tracker: Tracker, fmt: ChunkFormatter, started: list[bool]):
+    """A closing chunk for every unfinished choice (finish_reason 'abort'), then usage if asked."""
+    unfinished = [i for i, f in enumerate(tracker.finish) if f is None]  # Tracker.close counts them
+    for k, i in enumerate(unfinished):
+        payload = fmt.choice(i, None if fmt.kind == "chat" else "", "abort", role=not started[i])
+        if fmt.kind == "chat" and started[i]:
+            payload["choices"][0]["delta"] = {}
+        if k == len(unfinished) - 1 and not fmt.include_usage:
+            payload["dialspec"] = tracker.dialspec()
+        yield {"data": _dump(payload)}
+    if fmt.include_usage:
+        yield {"data": _dump(fmt.usage_chunk(tracker.usage(), tracker.dialspec()))}
 
 
 class ClosingEventSourceResponse(EventSourceResponse):

@@ -9,18 +9,26 @@ Hooks (HookRegistry targets, SGLang 0.5.23):
     verify_hooks.EAGLE_SAMPLE AROUND  per-row w from custom_params; greedy rows -> argmax ν
     verify_hooks.CHAIN_KERNEL AROUND  target probs at draft slots := ν = w·p + (1−w)·q
     verify_hooks.DRAFT_FORWARD, GRAPH_VARIANT  AROUND  keep q for all-greedy batches
-    learned_head (only with DIALSPEC_HEAD_PATH): AFTER ModelRunner.load_model, capture states
+    learned_head (only with DIALSPEC_HEAD_PATH): AFTER ModelRunner.load_model (attach capture),
+                              AROUND ModelRunner.forward (record states per request)
+    liveness.SCHEDULER_INIT   BEFORE  the scheduler process refuses to start unless all are live
+
+SGLang swallows exceptions from `register()` and from applying hooks; `liveness` turns both into
+a failed startup (see that module).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
-from server.sglang_plugin.params import settings_from_env
+from server.sglang_plugin import liveness
+from server.sglang_plugin.params import ENV_DEFAULT_W, settings_from_env
 
 logger = logging.getLogger(__name__)
 
 LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
+MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 
 
 def hook_specs(settings=None) -> list[tuple[str, object, str]]:
@@ -31,10 +39,16 @@ def hook_specs(settings=None) -> list[tuple[str, object, str]]:
     head = None
     specs = []
     if settings.head_path:
-        from server.sglang_plugin.learned_head import LearnedHead, load_head, make_load_model_hook
+        from server.sglang_plugin.learned_head import (
+            LearnedHead,
+            load_head,
+            make_forward_hook,
+            make_load_model_hook,
+        )
 
         head = LearnedHead(load_head(settings.head_path))
         specs.append((LOAD_MODEL, make_load_model_hook(head), "AFTER"))
+        specs.append((MODEL_FORWARD, make_forward_hook(head), "AROUND"))
     specs += [
         (args_hook.TARGET, args_hook.handle_eagle_family_around, "AROUND"),
         (verify_hooks.EAGLE_SAMPLE, verify_hooks.make_eagle_sample_hook(settings, head), "AROUND"),
@@ -45,18 +59,37 @@ def hook_specs(settings=None) -> list[tuple[str, object, str]]:
     return specs
 
 
+def _args_target() -> str:
+    from server.sglang_plugin import args_hook
+
+    return args_hook.TARGET
+
+
 def register() -> None:
     """Entry point called by `sglang.srt.plugins.load_plugins`. No-op unless enabled.
 
-    A bad DIALSPEC_DEFAULT_W raises here; SGLang logs plugin exceptions rather than stopping, so
-    the same check runs again in the argument hook, where raising does stop startup.
+    Any setup error (a bad DIALSPEC_DEFAULT_W, an unreadable head) is not raised here, where
+    SGLang would log and ignore it: it registers checkpoints that stop startup with the message.
     """
-    settings = settings_from_env()
-    if not settings.enabled:
-        logger.debug("dialspec SGLang plugin inactive (set DIALSPEC_SGLANG_PLUGIN=1)")
-        return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for target, hook, kind in hook_specs(settings):
+    try:
+        settings = settings_from_env()
+    except ValueError as exc:
+        if not settings_from_env({**os.environ, ENV_DEFAULT_W: "1"}).enabled:
+            return  # plugin off: its settings are not our business
+        specs = liveness.register_failure(str(exc), _args_target())
+    else:
+        if not settings.enabled:
+            logger.debug("dialspec SGLang plugin inactive (set DIALSPEC_SGLANG_PLUGIN=1)")
+            return
+        try:
+            specs = hook_specs(settings)
+        except Exception as exc:  # e.g. the head file: reported at startup, not swallowed
+            specs = liveness.register_failure(f"{type(exc).__name__}: {exc}", _args_target())
+        else:
+            specs.append((liveness.SCHEDULER_INIT, liveness.scheduler_init_check, "BEFORE"))
+            liveness.expect(specs)
+    for target, hook, kind in specs:
         HookRegistry.register(target, hook, HookType[kind])
-    logger.info("dialspec SGLang plugin active: default w=%s", settings.default_w)
+    logger.info("dialspec SGLang plugin: registered %d hooks", len(specs))

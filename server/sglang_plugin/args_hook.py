@@ -14,7 +14,9 @@ The AROUND hook, for STANDALONE while the plugin is on:
      block verification changes the acceptance rule away from the one ν substitutes into);
   2. declares rejection sampling off while the stock resolver runs (so its EAGLE-only check
      passes and everything else it resolves: max running requests, auto N, draft-token count);
-  3. re-checks the resolved topk and declares rejection sampling on.
+  3. re-checks the resolved topk and declares rejection sampling on;
+  4. checks that every hook the plugin registered is live in this (the launcher) process
+     (`liveness.verify_live`), since SGLang swallows hook-application errors.
 
 Declarations are SGLang's own mechanism (`declare_resolution`, last writer wins), so the
 resolved record reads `speculative_use_rejection_sampling=True` everywhere downstream.
@@ -26,6 +28,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from server.sglang_plugin.liveness import verify_live
 from server.sglang_plugin.params import settings_from_env
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,33 @@ class DialspecConfigError(ValueError):
 
 def _refuse(message: str) -> None:
     raise DialspecConfigError(f"dialspec SGLang plugin: {message}")
+
+
+def cuda_graph_phases_on(cfg: Any) -> list[str]:
+    """The phases ("decode", "prefill") whose CUDA graphs stay on.
+
+    From SGLang's resolved `cuda_graph_config` when it is resolved (the pipeline resolves it
+    before the speculative handlers), else from the flags with SGLang's precedence
+    (`parse_cuda_graph_config`): explicit JSON > `--cuda-graph-backend-<phase>` >
+    `--disable-<phase>-cuda-graph` / `--disable-cuda-graph`.
+    """
+    config = getattr(cfg, "cuda_graph_config", None)
+    on = []
+    for phase in ("decode", "prefill"):
+        resolved = getattr(config, phase, None)
+        if hasattr(resolved, "backend"):
+            backend = resolved.backend
+        else:
+            explicit = config.get(phase, {}).get("backend") if isinstance(config, dict) else None
+            backend = explicit or getattr(cfg, f"cuda_graph_backend_{phase}", None)
+            if backend is None:
+                off = getattr(cfg, f"disable_{phase}_cuda_graph", False) or getattr(
+                    cfg, "disable_cuda_graph", False
+                )
+                backend = "disabled" if off else "default"
+        if str(backend) != "disabled":
+            on.append(phase)
+    return on
 
 
 def check_standalone_args(cfg: Any) -> None:
@@ -60,10 +90,15 @@ def check_standalone_args(cfg: Any) -> None:
         )
     if getattr(cfg, "speculative_adaptive", False):
         _refuse("--speculative-adaptive is not supported (N must stay fixed per server)")
-    graphs_off = getattr(cfg, "disable_cuda_graph", False) or getattr(cfg, "disable_decode_cuda_graph", False)
-    if settings_from_env().head_path and not graphs_off:
-        # Capture uses Python forward hooks, which do not run when a CUDA graph is replayed.
-        _refuse("the learned head (DIALSPEC_HEAD_PATH) needs --disable-decode-cuda-graph")
+    on = cuda_graph_phases_on(cfg) if settings_from_env().head_path else []
+    if on:
+        # Capture uses Python forward hooks, which do not run when a CUDA graph is replayed: the
+        # decode phase covers the draft's decode and draft-extend graphs and the target-verify
+        # graph, the prefill phase the (breakable) prefill graphs of target and draft.
+        _refuse(
+            "the learned head (DIALSPEC_HEAD_PATH) needs every CUDA graph off (--disable-cuda-graph); "
+            f"still on: {', '.join(on)}"
+        )
     device = str(getattr(cfg, "device", None) or "cuda")
     if getattr(cfg, "enable_deterministic_inference", False) and not device.startswith("cuda"):
         _refuse("deterministic rejection sampling needs a CUDA device")
@@ -81,5 +116,6 @@ def handle_eagle_family_around(original_fn: Callable[[Any], None], server_args: 
     original_fn(server_args)
     check_standalone_args(resolved_view(server_args))
     declare_resolution(server_args, SOURCE, speculative_use_rejection_sampling=True)
+    verify_live("launcher")
     logger.info("dialspec: STANDALONE verification uses the ensemble rejection sampler (topk=1)")
     return None

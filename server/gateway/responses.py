@@ -1,0 +1,192 @@
+"""Response bodies of the OpenAI-compatible API and the dialspec extensions, as documented in the
+OpenAPI schema (the handlers build plain dicts of these shapes), and the error object."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class DialspecStats(BaseModel):
+    """Per-request speculative decoding report (summed over choices)."""
+
+    policy: str = Field(description="verifier policy, or 'autoregressive'")
+    tier: str = Field(description="tier name, 'custom' for a numeric quality, 'auto', 'autoregressive'")
+    quality: float | None
+    mean_w: float | None = Field(description="mean ensemble weight applied per verified position")
+    drafts: int = Field(description="verify rounds that proposed draft tokens")
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float | None = Field(description="accepted_tokens / draft_tokens")
+    mean_accepted_length: float | None = Field(description="1 + accepted_tokens / drafts")
+    verify_steps: int = Field(description="target forward passes")
+    accepted_per_position: list[int] = Field(
+        description="index i: rounds whose draft at position i was accepted (divide by drafts for the "
+        "acceptance by position); empty when the backend does not report it"
+    )
+
+
+class TraceToken(BaseModel):
+    """One generated token's provenance (requests with `dialspec_trace: true`)."""
+
+    token_id: int
+    text: str = Field(description="the part of the choice's text released with this token (may be '')")
+    source: Literal["draft", "corrected", "bonus", "target"] = Field(
+        description="draft: a draft token the verifier accepted; corrected: drawn from the residual at "
+        "the first rejection; bonus: drawn from ν after all N drafts were accepted; target: "
+        "autoregressive mode"
+    )
+    w: float | None = Field(
+        description="ensemble weight applied at this position (static, or the learned head's w_t); "
+        "null for target tokens and for baseline verifiers"
+    )
+    position: int = Field(description="index in its speculative round (0 = the round's first token)")
+    num_draft: int = Field(description="draft length N of its round (0 = autoregressive)")
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: dict[str, Any]
+    finish_reason: str | None
+    logprobs: None = None
+    dialspec_trace: list[TraceToken] | None = Field(None, description="with `dialspec_trace: true`")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    dialspec: DialspecStats
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+    dialspec_trace: list[TraceToken] | None = Field(None, description="with `dialspec_trace: true`")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    dialspec: DialspecStats
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    finish_reason: str | None = Field(description="set on a choice's last chunk: stop, length or abort")
+    logprobs: None = None
+    dialspec_trace: list[TraceToken] | None = Field(None, description="with `dialspec_trace: true`")
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+    dialspec_trace: list[TraceToken] | None = Field(None, description="with `dialspec_trace: true`")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a chat stream (`choices` is empty on the final usage chunk)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    dialspec: DialspecStats | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One `data:` event of a text-completion stream."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+    dialspec: DialspecStats | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dialspec"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TierMark(BaseModel):
+    name: str
+    quality: float
+
+
+class DialInfo(BaseModel):
+    """`GET /v1/dial`: the served pair and its dial, for clients that draw one (the playground)."""
+
+    model: str = Field(description="the pair's served name")
+    backend: str
+    num_draft: int = Field(description="default draft length N")
+    max_context: int
+    tiers: list[TierMark] = Field(description="named qualities, ascending")
+    default_quality: str | float
+    has_head: bool = Field(description="a learned head is loaded: quality 'auto' is served")
+    token_provenance: bool = Field(description="`dialspec_trace` is supported")
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready"] = "ready"
+    model: str
+    backend: str
+    max_context: int
+    num_draft: int = Field(description="the default N, or the largest N when adaptive_draft")
+    adaptive_draft: bool = Field(description="N is chosen per request and round from measured costs")
+    has_head: bool
+    load: dict[str, int] = Field(description="running: sequences decoding; waiting: queued in the engine")
+
+
+class EngineRuntime(BaseModel):
+    backend: str
+    runtime: dict[str, Any] = Field(
+        description="dtype and how it was chosen, draft-length mode, live cost model (ms per stage); "
+        "{} from engines that report nothing"
+    )
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,64 @@
+"""Frontier math (`training.frontiers`): hulls, areas, and the paired dominance verdict's error rates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from training.frontiers import Point, analyse, frontier_at
+
+
+def test_frontier_is_the_monotone_upper_hull():
+    xs = np.array([0.2, 0.5, 0.6, 1.0])  # acceptance
+    ys = np.array([0.9, 0.5, 0.8, 0.1])  # score; (0.5, 0.5) lies under the chord of its neighbours
+    grid = np.array([0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.1])
+    f = frontier_at(xs, ys, grid)
+    assert f[0] == pytest.approx(0.9)  # left of every point: the best score there (flat)
+    assert f[2] == pytest.approx(0.9 - (0.9 - 0.8) * (0.4 - 0.2) / 0.4)  # on the chord 0.2 -> 0.6
+    assert f[3] == pytest.approx(0.8) and f[4] == pytest.approx(0.45)
+    assert np.isnan(f[6])  # beyond the highest acceptance the method cannot go
+    # A higher-acceptance point that scores more serves lower acceptance too (non-increasing).
+    g = frontier_at(np.array([0.3, 0.7]), np.array([0.2, 0.6]), np.array([0.3, 0.5]))
+    assert g == pytest.approx([0.6, 0.6])
+
+
+def _method(family, shifts, rng, prompts=96):
+    """Points along score = 0.9 − 0.6·acceptance + shift; per-prompt Bernoulli scores."""
+    pts = []
+    for i, acc in enumerate(np.linspace(0.6, 0.95, 5)):
+        p = np.clip(0.9 - 0.6 * acc + shifts, 0, 1)
+        scores = (rng.random(prompts) < p).astype(float)
+        proposed = np.full(prompts, 50.0)
+        pts.append(Point(family, f"{family}{i}", scores, np.round(proposed * acc), proposed, 1.0 - acc / 2))
+    return pts
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_clearly_better_method_dominates_and_equal_methods_do_not(seed):
+    rng = np.random.default_rng(seed)
+    better = {"base": _method("base", 0.0, rng), "better": _method("better", 0.25, rng)}
+    pair = analyse(better, boot=200, seed=seed)["pairs"]["base vs better"]
+    assert pair["verdict"] == "better dominates" and pair["mean_diff"] < -2 * pair["se"]
+    same = {"a": _method("a", 0.0, rng), "b": _method("b", 0.0, rng)}
+    assert analyse(same, boot=200, seed=seed)["pairs"]["a vs b"]["verdict"] == "neither dominates"
+
+
+def test_false_dominance_rate_is_small_for_identical_methods():
+    """Two methods with the same law: the 2-SE rule should rarely call a winner (about 2.5% per
+    side if the bootstrap SE is right; 40 trials, allow up to 6 calls: P(Binom(40, 0.05) > 6) ≈ 1%)."""
+    rng = np.random.default_rng(7)
+    calls = 0
+    for trial in range(40):
+        groups = {"a": _method("a", 0.0, rng, 64), "b": _method("b", 0.0, rng, 64)}
+        calls += analyse(groups, boot=100, seed=trial)["pairs"]["a vs b"]["verdict"] != "neither dominates"
+    assert calls <= 6
+
+
+def test_areas_share_one_range_and_time_axis_uses_norm_time():
+    rng = np.random.default_rng(3)
+    groups = {"a": _method("a", 0.0, rng), "b": _method("b", 0.1, rng)}
+    out = analyse(groups, boot=50)
+    assert out["range"] == pytest.approx((0.6, 0.95), abs=0.02)
+    assert out["areas"]["b"]["area"] > out["areas"]["a"]["area"]
+    timed = analyse(groups, axis="time", boot=50)
+    assert timed["range"][0] < timed["range"][1] < 0  # stored as −norm_time

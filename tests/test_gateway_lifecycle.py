@@ -1,0 +1,159 @@
+"""`dialspec serve` as a process (tiny pair): SIGTERM drains and exits 0 with every stream ended
+properly; an unrecoverable engine fault exits 1; the event loop stays responsive under a burst
+of 200 requests and huge prompts (429s stay fast, /health answers)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+
+from tests.fake_sglang import free_port
+
+NAME = "tiny-pair"
+MAIN = "import sys; from server.cli import main; sys.exit(main(sys.argv[1:]))"
+# The engine breaks for good: every forward raises, so the probe request fails too.
+BROKEN_ENGINE = (
+    "import server.engine.scheduler as s\n"
+    "def broken(*args, **kwargs):\n"
+    "    raise RuntimeError('device lost')\n"
+    "s.prefill = s.run_round = broken\n"
+)
+
+
+@contextmanager
+def serve(tiny_pair, *flags: str, preamble: str = ""):
+    """A `dialspec serve` process on the tiny pair; yields (process, base URL)."""
+    target, draft = tiny_pair
+    cmd = [sys.executable, "-c", preamble + MAIN, "serve", "--target", str(target), "--draft", str(draft)]
+    cmd += ["--port", str(free_port()), "--served-name", NAME, "--log-level", "warning", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"(http://\S+)/v1", line)
+        assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
+        yield proc, match.group(1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+def test_sigterm_drains_then_ends_streams_and_exits_0(tiny_pair):
+    with serve(tiny_pair, "--max-context", "2048", "--drain-timeout", "1.5") as (proc, url):
+        events: list[str] = []
+        short: list[dict] = []
+        first = threading.Event()
+
+        def long_stream():  # greedy on the tiny pair: no EOS for 1500 tokens, several seconds
+            body = {"model": NAME, "prompt": "Tom has 12 apples", "max_tokens": 1500, "temperature": 0}
+            body["stream"] = True
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first.set()
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        assert first.wait(60)
+        body = {"model": NAME, "prompt": "Tom has", "max_tokens": 20, "temperature": 0}
+        post = lambda: short.append(httpx.post(url + "/v1/completions", json=body))  # noqa: E731
+        shorter = threading.Thread(target=post)
+        shorter.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/ready").json()["load"]["running"] < 2:  # both in the engine
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=10)  # answered, not refused
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+        assert httpx.get(url + "/ready").status_code == 503
+        t.join(60)
+        shorter.join(60)
+        assert proc.wait(60) == 0
+        assert "Traceback" not in proc.stderr.read()
+    assert short[0].status_code == 200, short[0].text  # finished within the grace period
+    assert short[0].json()["choices"][0]["finish_reason"] == "length"
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+    final = json.loads(events[-3])
+    assert final["choices"][0]["finish_reason"] == "abort" and "dialspec" in final
+    assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-3])
+
+
+def test_unrecoverable_engine_fault_exits_1(tiny_pair):
+    with serve(tiny_pair, preamble=BROKEN_ENGINE) as (proc, url):
+        body = {"model": NAME, "prompt": "Tom has", "max_tokens": 5}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code in (500, 503) and "error" in r.json()
+        assert proc.wait(60) == 1
+        err = proc.stderr.read()
+        assert "engine fault" in err and "supervisor" in err
+
+
+async def burst(url: str, requests: int = 200, huge: int = 8) -> dict[str, list[float]]:
+    """`requests` completions at once plus `huge` ~0.9 MB prompts, while /health is polled.
+    Returns latencies (s) by outcome: '429', '200', 'huge' (the big prompts' answers), 'health'."""
+    out: dict[str, list[float]] = {"429": [], "200": [], "huge": [], "health": [], "other": []}
+    limits = httpx.Limits(max_connections=requests + huge + 8, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        normal = {"model": NAME, "prompt": "The quick brown fox " * 20, "max_tokens": 16}
+        big = {"model": NAME, "prompt": "Tom has 12 apples. " * 47_000, "max_tokens": 16}  # ~0.9 MB
+
+        async def one(body, kind):
+            t0 = time.monotonic()
+            r = await client.post("/v1/completions", json=body)
+            dt = time.monotonic() - t0
+            key = kind if kind == "huge" else str(r.status_code)
+            out[key if key in out else "other"].append(dt)
+
+        async def poll_health(stop: asyncio.Event):
+            while not stop.is_set():
+                t0 = time.monotonic()
+                await client.get("/health")
+                out["health"].append(time.monotonic() - t0)
+                await asyncio.sleep(0.02)
+
+        stop = asyncio.Event()
+        poller = asyncio.create_task(poll_health(stop))
+        await asyncio.sleep(0.1)
+        jobs = [one(big, "huge") for _ in range(huge)] + [one(normal, "n") for _ in range(requests)]
+        await asyncio.gather(*jobs)
+        stop.set()
+        await poller
+    return out
+
+
+def p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+def test_burst_keeps_429s_fast_and_the_loop_responsive(tiny_pair):
+    """200 requests and eight ~0.9 MB prompts at once at a server with 4 slots and 8 queue places.
+
+    The bound: before issue 12 the 429s waited behind every queued tokenization on the event loop
+    (2-4 s at 200 requests, /health stalled 7 s by 8 large prompts). Now a 429 needs only parsing
+    and the admission check, and the large prompts are refused by their byte length without being
+    tokenized (prepare.py), so the p99 is the time to parse ~200 small bodies and 8 large ones on
+    one core: measured ~0.2-0.4 s on the 2-core CI box; 1.5 s leaves room for a loaded machine
+    and still fails the old behaviour."""
+    with serve(tiny_pair, "--max-batch", "4", "--max-waiting", "8", "--max-context", "2048") as (proc, url):
+        out = asyncio.run(burst(url))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    assert not out["other"], out["other"]
+    assert len(out["huge"]) == 8 and len(out["429"]) >= 150 and len(out["200"]) >= 12
+    assert p99(out["429"]) < 1.5, sorted(out["429"])[-5:]
+    assert max(out["huge"]) < 3.0  # refused by the byte bound: each needs parsing, not tokenizing
+    assert max(out["health"]) < 1.5, sorted(out["health"])[-5:]

@@ -1,0 +1,144 @@
+"""Frontiers of task score vs acceptance (or time) per method, their areas, and paired verdicts.
+
+Terms
+    point       one policy setting (a method at one knob value) evaluated on a task's prompts:
+                per-prompt scores and per-prompt (accepted, proposed) draft-token counts.
+    acceptance  of a point: Σ accepted / Σ proposed over its prompts (the paper's acceptance rate).
+    frontier    of a method: the upper concave hull of its points in the (acceptance, score) plane,
+                made non-increasing in acceptance — mixing two settings request by request reaches
+                any point on the segment between them, and a higher-acceptance setting that scores
+                at least as well serves every lower acceptance too. It is defined for acceptance
+                up to the method's highest measured acceptance (flat to the left of its lowest).
+    shared range  for a comparison: from the lowest of the methods' lowest acceptances to the
+                lowest of their highest — where every method's frontier is defined (below its
+                own lowest point a method scores that point's score: it is faster than needed).
+    area        the mean of the frontier over the shared range (area / width: a score).
+    dominance   A dominates B at matched acceptance when the mean of f_A − f_B over their shared
+                range exceeds 2 standard errors AND at no grid point of that range is f_A − f_B
+                below −2 of its own standard errors.
+    SE          from a paired bootstrap over prompts: every method saw the same prompts with the
+                same seeds, so each resample draws prompt indices once and recomputes every
+                point's acceptance and score, every frontier and every difference from them.
+
+The time axis (score vs normalised time, lower is better) uses the same construction on
+`−norm_time`; a point's time is one batch measurement, so its bootstrap varies scores only.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+GRID = 41  # evaluation points across a shared range
+MIN_WIDTH = 0.01  # a shared range narrower than this is "no overlap"
+
+
+@dataclass(frozen=True)
+class Point:
+    family: str  # the method, e.g. "static", "cascade", "learned"
+    name: str  # e.g. "static w=0.5"
+    scores: np.ndarray  # [P] per-prompt task score
+    accepted: np.ndarray  # [P] accepted draft tokens per prompt
+    proposed: np.ndarray  # [P] proposed draft tokens per prompt
+    norm_time: float  # time per token / AR's (one batch measurement)
+
+
+def _hull(xs: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Upper concave hull of points (x ascending), then made non-increasing in x from the right."""
+    order = np.lexsort((-ys, xs))
+    hull: list[tuple[float, float]] = []
+    for x, y in zip(xs[order], ys[order], strict=True):
+        if hull and x == hull[-1][0]:
+            continue  # same x: the higher y came first
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = hull[-2], hull[-1]
+            if (y2 - y1) * (x - x1) <= (y - y1) * (x2 - x1):  # middle point on or below the chord
+                hull.pop()
+            else:
+                break
+        hull.append((float(x), float(y)))
+    hx, hy = np.array([h[0] for h in hull]), np.array([h[1] for h in hull])
+    return hx, np.maximum.accumulate(hy[::-1])[::-1]  # serving higher x also serves lower x
+
+
+def frontier_at(xs: np.ndarray, ys: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """The frontier of points (xs, ys) evaluated on `grid` (NaN beyond the largest x)."""
+    hx, hy = _hull(np.asarray(xs, float), np.asarray(ys, float))
+    out = np.interp(grid, hx, hy)  # flat left of the first hull point
+    return np.where(grid > hx[-1] + 1e-12, np.nan, out)
+
+
+def _coords(points: list[Point], idx: np.ndarray, axis: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x, score) of each point on a prompt resample `idx`; x = acceptance or −norm_time."""
+    if axis == "acceptance":
+        x = np.array([p.accepted[idx].sum() / max(p.proposed[idx].sum(), 1) for p in points])
+    else:
+        x = np.array([-p.norm_time for p in points])
+    return x, np.array([p.scores[idx].mean() for p in points])
+
+
+def shared_range(groups: dict[str, list[Point]], axis: str) -> tuple[float, float] | None:
+    full = np.arange(len(next(iter(groups.values()))[0].scores))
+    lo, hi = -np.inf, np.inf  # lo: lowest of the minima; hi: lowest of the maxima
+    for pts in groups.values():
+        x, _ = _coords(pts, full, axis)
+        lo, hi = min(lo, x.min()) if np.isfinite(lo) else x.min(), min(hi, x.max())
+    return (float(lo), float(hi)) if hi - lo >= MIN_WIDTH else None
+
+
+def _curves(groups: dict[str, list[Point]], idx, axis, grid) -> dict[str, np.ndarray]:
+    return {name: frontier_at(*_coords(pts, idx, axis), grid) for name, pts in groups.items()}
+
+
+def analyse(groups: dict[str, list[Point]], axis: str = "acceptance", boot: int = 400, seed: int = 0) -> dict:
+    """Areas over the range shared by every method, and pairwise verdicts over each pair's range.
+
+    `groups`: method -> its points (each method needs >= 1 point; AR has no acceptance and is
+    left out by the caller). Returns {"range", "areas": {m: {area, se}}, "pairs": {"A>B": {...}}}.
+    """
+    rng = np.random.default_rng(seed)
+    prompts = len(next(iter(groups.values()))[0].scores)
+    samples = [np.arange(prompts)] + [rng.integers(0, prompts, prompts) for _ in range(boot)]
+    out: dict = {"axis": axis, "range": shared_range(groups, axis), "areas": {}, "pairs": {}}
+    if out["range"] is not None:
+        grid = np.linspace(*out["range"], GRID)
+        with warnings.catch_warnings():  # a method with no point in the range has an all-NaN curve
+            warnings.simplefilter("ignore", RuntimeWarning)
+            curves = [_curves(groups, s, axis, grid).values() for s in samples]
+            vals = np.array([[np.nanmean(c) for c in per] for per in curves])
+        for j, name in enumerate(groups):
+            out["areas"][name] = {"area": float(vals[0, j]), "se": float(np.nanstd(vals[1:, j], ddof=1))}
+    names = list(groups)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            out["pairs"][f"{a} vs {b}"] = _pair(groups, a, b, axis, samples)
+    return out
+
+
+def _pair(groups, a: str, b: str, axis: str, samples) -> dict:
+    rng_ab = shared_range({a: groups[a], b: groups[b]}, axis)
+    if rng_ab is None:
+        return {"range": None, "verdict": "no overlap"}
+    grid = np.linspace(*rng_ab, GRID)
+    diffs = []
+    for s in samples:
+        fa = frontier_at(*_coords(groups[a], s, axis), grid)
+        fb = frontier_at(*_coords(groups[b], s, axis), grid)
+        diffs.append(fa - fb)  # [GRID]; NaN where a resample pushed a method's range below the grid
+    diffs = np.array(diffs)  # [1+boot, GRID]
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN resamples are dropped below
+        mean_diff = np.nanmean(diffs, axis=1)  # [1+boot]
+    se = float(np.nanstd(mean_diff[1:], ddof=1))
+    point_se = np.nanstd(diffs[1:], axis=0, ddof=1)  # [GRID]
+    worst = float(np.nanmin(diffs[0] + 2 * point_se))  # < 0: somewhere clearly below
+    margin = float(mean_diff[0])
+    if margin > 2 * se and worst >= 0:
+        verdict = f"{a} dominates"
+    elif -margin > 2 * se and float(np.nanmin(-diffs[0] + 2 * point_se)) >= 0:
+        verdict = f"{b} dominates"
+    else:
+        verdict = "neither dominates"
+    return {"range": rng_ab, "mean_diff": margin, "se": se, "verdict": verdict}
