@@ -99,3 +99,36 @@ def test_the_planner_learns_acceptance_and_costs_from_rounds(tiny_pair):
         assert timers.predicted_rounds == timers.rounds > 0
     finally:
         asyncio.run(eng.stop())
+
+
+def test_catch_up_near_the_context_end_stays_inside_the_draft_cache(tiny_pair):
+    """An adaptive w = 1 row drafting for the first time feeds its whole sequence to the draft;
+    beside it a row near `max_context` with a short lag must not be padded past the cache's end
+    (found on an H100: the out-of-bounds write was a device-side assert that killed the engine).
+    Each row's draft state must equal what it gets catching up alone."""
+    import torch
+
+    from server.engine.row import Row
+    from server.engine.step import RoundBatch, _feed_pending
+
+    eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=2, max_context=40, num_draft=2))
+    eng.start_sync()
+    try:
+        models = eng.scheduler.models
+        max_seq = models.draft_cache.shape.max_seq
+
+        def row(slot, length, dlen):
+            req = GenerationRequest(f"r{slot}", tuple(range(5, 5 + length)), SamplingOptions(max_tokens=1),
+                                    VerifyOptions(weight=0.5))  # fmt: skip
+            r = Row(req, lambda _c: None, 2, eng.tokenizer, frozenset())
+            r.slot, r.dlen, r.tlen = slot, dlen, length - 1
+            return r
+
+        near_end, first_draft = row(0, 38, 35), row(1, 30, 0)  # lags 3 and 30
+        assert near_end.dlen + (len(first_draft.seq) - 1) > max_seq  # one shared padding would overflow
+        rows = [near_end, first_draft]
+        together = _feed_pending(models, RoundBatch.of(rows, 2, models.device))  # [2, Hd]
+        alone = torch.cat([_feed_pending(models, RoundBatch.of([r], 2, models.device)) for r in rows])
+        torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-4)
+    finally:
+        asyncio.run(eng.stop())

@@ -160,12 +160,12 @@ def _feed_pending(models: Models, b: RoundBatch) -> torch.Tensor:
     pads the others."""
     pending = [row.seq[row.dlen :] for row in b.rows]
     lagging = [i for i, p in enumerate(pending) if len(p) > 2]
-    if lagging:
-        sub = b.subset(lagging)
-        width = max(len(pending[i]) - 1 for i in lagging)
-        tokens = sub.column([pending[i][:-1] + [0] * (width - len(pending[i]) + 1) for i in lagging])
-        models.draft(tokens, sub.slots, sub.column([b.rows[i].dlen for i in lagging]), models.draft_cache)
-        for i in lagging:
+    for group in _catch_up_groups(b, pending, lagging, models.draft_cache.shape.max_seq):
+        sub = b.subset(group)
+        width = max(len(pending[i]) - 1 for i in group)
+        tokens = sub.column([pending[i][:-1] + [0] * (width - len(pending[i]) + 1) for i in group])
+        models.draft(tokens, sub.slots, sub.column([b.rows[i].dlen for i in group]), models.draft_cache)
+        for i in group:
             pending[i] = pending[i][-1:]
         b.caught_up = True
     width = max(len(p) for p in pending)
@@ -173,6 +173,19 @@ def _feed_pending(models: Models, b: RoundBatch) -> torch.Tensor:
     starts = b.column([len(row.seq) - len(p) for row, p in zip(b.rows, pending, strict=True)])  # [R]
     hidden = models.draft(tokens, b.slots, starts, models.draft_cache, b.contiguous)  # [R, T0, Hd]
     return hidden[torch.arange(b.size, device=b.device), b.column([len(p) - 1 for p in pending])]
+
+
+def _catch_up_groups(b: RoundBatch, pending: list, lagging: list[int], max_seq: int) -> list[list[int]]:
+    """The lagging rows' catch-up forwards: one for all of them, padded on the right to the longest
+    lag, except rows whose padding would run past the cache's end (a row near `max_context` beside
+    one that never fed the draft, e.g. an adaptive w = 1 row drafting for the first time): each of
+    those gets a forward of its own. Padding keys are overwritten later, but writes past `max_seq`
+    are out of bounds (an IndexError on CPU, a device-side assert that kills the CUDA context)."""
+    if not lagging:
+        return []
+    width = max(len(pending[i]) - 1 for i in lagging)
+    together = [i for i in lagging if b.rows[i].dlen + width <= max_seq]  # the longest lag always fits
+    return [together] + [[i] for i in lagging if i not in together]
 
 
 def draft(models: Models, b: RoundBatch) -> Drafts:
