@@ -127,3 +127,16 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     assert torch.allclose(rope_inv_freq(args), ref_inv.float(), rtol=1e-5, atol=1e-9)
     ids = torch.randint(0, 96, (1, 80))  # beyond the original context, where scaling matters
     assert (_ours_full(tmp_path, ids) - _hf_logits(tmp_path, ids)).abs().max().item() < ATOL
+
+
+def test_cuda_attention_leaves_out_cudnn_and_cpu_is_unchanged():
+    """cuDNN attention builds a plan per (rows, T, keys) shape, i.e. nearly every decode step (see
+    llama.py's module doc): forwards on CUDA run without it, and the global flags come back after."""
+    flags = torch.backends.cuda
+    before = (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled())
+    with llama.attention_backends(torch.device("cuda")):
+        assert not flags.cudnn_sdp_enabled()
+        assert flags.flash_sdp_enabled() and flags.mem_efficient_sdp_enabled() and flags.math_sdp_enabled()
+    assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled()) == before
+    with llama.attention_backends(torch.device("cpu")):
+        assert flags.cudnn_sdp_enabled() == before[0]

@@ -20,12 +20,20 @@ That is exactly the shape of a verify forward (T = N+1 positions) and of a small
 `linear` takes the transposed product for 2..16 rows, for weights large enough to matter (>= 4M elements;
 smaller ones measured no better). Other dtypes and devices keep `F.linear` (bf16 on AVX2 is
 compute-bound either way; CUDA has its own kernels).
+
+Attention on CUDA leaves out cuDNN's SDPA backend (`attention_backends`): PyTorch prefers it on
+Hopper for masked attention, and it builds an execution plan for every new (rows, T, keys) shape.
+A decode engine's key length grows by one every step, so nearly every masked forward paid a plan
+build: measured on an H100 (docs/gpu-results.md, 2026-11-23), `_cudnn_attention_forward` took
+1-6 ms of host time per call, and at batch 32 the dial's standard tier ran at 1,143 tok/s with it
+and 3,430 tok/s without it (flash / memory-efficient attention have no per-shape plans).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,11 +41,19 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from server.engine.kv_cache import KVCache
 
 _SMALL_M = (2, 16)  # rows for which `linear` takes the transposed product (see the module doc)
 _LARGE_WEIGHT = 1 << 22  # elements; smaller weights gain nothing measurable
+# SDPA backends on CUDA: all but cuDNN's, which plans per shape (see the module doc).
+_CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends(device: torch.device):
+    """The context a forward's attention runs in: CUDA without cuDNN attention, else unchanged."""
+    return sdpa_kernel(_CUDA_ATTENTION) if device.type == "cuda" else nullcontext()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -237,8 +253,9 @@ class Transformer(nn.Module):
         x = F.embedding(tokens, self.embed.weight)  # [R, T, H]
         if contiguous is None:
             contiguous = bool((slots == torch.arange(r, device=slots.device)).all())
-        for layer in self.layers:
-            x = layer.forward(x, freqs_cis, cache, slots, positions, mask, seq_len, contiguous, single)
+        with attention_backends(tokens.device):
+            for layer in self.layers:
+                x = layer.forward(x, freqs_cis, cache, slots, positions, mask, seq_len, contiguous, single)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
