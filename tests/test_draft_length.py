@@ -80,6 +80,24 @@ def test_lower_quality_is_never_slower_among_rows_that_need_q(make):
         assert all(b >= a * (1 - 1e-9) for a, b in zip(rates, rates[1:], strict=False))
 
 
+@pytest.mark.parametrize("make", [overhead_bound, compute_bound])
+def test_rows_that_draw_from_p_when_undrafted_are_never_slower_than_plain_decoding(make):
+    """`q_at_zero=False` (the engine's default for adaptive w < 1 rows): n = 0 costs what it costs
+    a w = 1 row, so every tier's choice is at least plain decoding's goodput — where drafting
+    cannot pay (compute-bound), it *is* plain decoding; the ν-everywhere row is slower there."""
+    model = make()
+    for r in (1, 8):
+        plain = goodput([RowChoice(0.0)] * r, [0] * r, model.round_time)
+        for beta in [i / 10 for i in range(11)]:
+            rows = [RowChoice(beta=beta, needs_q=True, q_at_zero=False)] * r
+            ns = choose(rows, model.round_time, MAX_N)
+            assert goodput(rows, ns, model.round_time) >= plain * (1 - 1e-9)
+            strict = [RowChoice(beta=beta, needs_q=True)] * r
+            if make is compute_bound and beta < 1.0:
+                assert ns == [0] * r
+                assert goodput(strict, choose(strict, model.round_time, MAX_N), model.round_time) < plain
+
+
 def test_fixed_rows_keep_their_n_and_the_search_only_improves():
     model = overhead_bound()
     rows = [RowChoice(0.9, True), RowChoice(0.3), RowChoice(0.7, fixed=3), RowChoice(1.0, fixed=0)]

@@ -103,7 +103,10 @@ def test_saved_weight_head_loads_and_sets_w(tiny_pair, tmp_path, inputs):
     from server.engine.head_store import head_for_pair, save_head
 
     save_head(head_for_pair(*tiny_pair, pair_name="tiny-pair", inputs=inputs), tmp_path / "head")
-    eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_context=64, head=tmp_path / "head"))
+    # N fixed: the head runs only in rounds with drafts, which the planner may not choose here.
+    eng = EmbeddedEngine(
+        EmbeddedEngineConfig(*tiny_pair, max_context=64, head=tmp_path / "head", num_draft=3)
+    )
     eng.start_sync()
     try:
         req = _req(eng, "hi", dial=0.9, weight=0.9, max_tokens=12, ignore_eos=True)

@@ -49,6 +49,13 @@ class RandomLengths(DraftPlanner):
                 row.num_draft = self.rng.randrange(0, 5)
 
 
+def never_drafts(cost, max_n, p_when_undrafted):
+    """The engine's planner pinned to N = 0, as where drafting cannot pay."""
+    planner = DraftPlanner(cost, max_n, p_when_undrafted=p_when_undrafted)
+    planner.force = 0
+    return planner
+
+
 @pytest.fixture(scope="module")
 def hf_pair(tiny_pair):
     target_path, draft_path = tiny_pair
@@ -110,12 +117,13 @@ def _chi_square(counts: Counter, marginal: torch.Tensor, n: int) -> tuple[float,
     return stat, len(big) - 1
 
 
-def _sample(tiny_pair, weight, length, num_draft, planner=None):
+def _sample(tiny_pair, weight, length, num_draft, planner=None, strict=True):
+    """`strict`: exactly ν in every round (`p_when_undrafted=False`), what most cases test."""
     target_path, draft_path = tiny_pair
     engine = EmbeddedEngine(
         EmbeddedEngineConfig(
             target_path, draft_path, num_draft=num_draft, max_context=64, max_waiting=SAMPLES,
-            profile_budget_s=0.3,
+            profile_budget_s=0.3, p_when_undrafted=not strict,
         )
     )  # fmt: skip
     prompt = engine.encode_chat([{"role": "user", "content": "Tom has 12 apples"}])
@@ -124,7 +132,9 @@ def _sample(tiny_pair, weight, length, num_draft, planner=None):
         await engine.start()
         if planner is not None:
             old = engine.scheduler.models.planner
-            engine.scheduler.models.planner = planner(old.cost, engine.config.max_num_draft)
+            engine.scheduler.models.planner = planner(
+                old.cost, engine.config.max_num_draft, p_when_undrafted=not strict
+            )
         try:
 
             async def one(seed):
@@ -189,3 +199,22 @@ def test_bonus_position_is_nu(tiny_pair, hf_pair, weight):
     wrong = _marginals(hf_pair, prompt, weight, 3, last_from_p=True)[2]
     stat, dof = _chi_square(Counter(o[2] for o in outputs), wrong, len(outputs))
     assert stat > chi2.ppf(1 - 1e-4, dof)
+
+
+def test_rounds_without_drafts_fall_back_to_p(tiny_pair, hf_pair):
+    """The default engine (`p_when_undrafted`): where the planner drafts nothing, a w = 0.5 row
+    draws from p — plain decoding's cost and law — and says so in its stats. The power check: the
+    ν it would otherwise follow is rejected by the same test."""
+    prompt, outputs, stats = _sample(tiny_pair, 0.5, 2, None, never_drafts, strict=False)
+    assert all(s.drafts == 0 and s.target_only_rounds == s.verify_steps == 2 for s in stats)
+    _check_positions(outputs, _marginals(hf_pair, prompt, 1.0, 2))
+    nu = _marginals(hf_pair, prompt, 0.5, 1)[0]
+    stat, dof = _chi_square(Counter(o[0] for o in outputs), nu, len(outputs))
+    assert stat > chi2.ppf(1 - 1e-4, dof)
+
+
+def test_strict_nu_without_drafts_keeps_nu(tiny_pair, hf_pair):
+    """`p_when_undrafted=False`: the same N = 0 rounds draw from ν (one draft step per token)."""
+    prompt, outputs, stats = _sample(tiny_pair, 0.5, 2, None, never_drafts, strict=True)
+    assert all(s.drafts == 0 and s.target_only_rounds == 0 for s in stats)
+    _check_positions(outputs, _marginals(hf_pair, prompt, 0.5, 2))

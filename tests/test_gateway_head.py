@@ -24,9 +24,12 @@ def test_default_serve_loads_the_shipped_head_for_auto():
         assert match, proc.stderr.read() if proc.poll() is not None else ""
         cli = openai.OpenAI(base_url=match.group(1), api_key="x", max_retries=0, timeout=60)
         assert "dialspec-embedded:auto" in [m.id for m in cli.models.list()]
+        # N pinned: the head runs in rounds with drafts, which the planner skips where they do not pay
+        # (e.g. on a loaded host); what is under test here is the shipped head, not the planner.
         r = cli.chat.completions.create(
-            model="dialspec-embedded", messages=MSG, max_tokens=24, seed=3, extra_body={"quality": "auto"}
-        )
+            model="dialspec-embedded", messages=MSG, max_tokens=24, seed=3,
+            extra_body={"quality": "auto", "num_draft": 4},
+        )  # fmt: skip
         stats = r.model_extra["dialspec"]
         assert stats["tier"] == "auto" and stats["draft_tokens"] > 0
         # Per-token weights from the head: a mean strictly inside (0, 1), not a constant tier value.

@@ -18,6 +18,11 @@ Terms
               which needs the draft's q after the last proposal: one more draft step when all n
               drafts are accepted (probability β^n), always at n = 0. Rows with w = 1 (ν = p)
               and baseline policies do not.
+    from p    an adaptive row with w < 1 at n = 0 draws its token from p instead of ν when the
+              engine allows it (`p_when_undrafted`, the default): ν there would cost a draft step
+              per token, which is what the planner just found not to pay. Such a row costs what a
+              w = 1 row costs at n = 0, so no tier is slower than plain decoding and a lower
+              quality is never slower; where drafting pays, every token follows ν.
     lag       tokens the draft cache is behind: rows at w = 1 feed their prompt to the draft only
               when they first draft, and fall behind while they decode without drafts. Drafting
               (or a bonus step) first feeds the lag to the draft: `catchup`, the cost of one draft
@@ -72,6 +77,7 @@ class RowChoice:
 
     beta: float  # acceptance estimate
     needs_q: bool = False  # bonus from ν with w < 1 (see the module doc)
+    q_at_zero: bool = True  # ... also at n = 0 (False: it draws from p there, see "from p")
     fixed: int | None = None  # a per-request num_draft (or 0 for autoregressive rows): not adapted
     catchup: float = 0.0  # seconds per round charged when the draft runs for this row (see lag)
     cap: int | None = None  # drafts past this many cannot be emitted (tokens left − 1): no gain
@@ -121,10 +127,14 @@ def goodput(rows: Sequence[RowChoice], ns: Sequence[int], round_time: RoundTime)
         groups.setdefault(n, []).append(row)
     seconds = 0.0
     for n, group in groups.items():
-        seconds += round_time(len(group), n, _bonus_steps([r.beta for r in group if r.needs_q], n))
-        seconds += sum(r.catchup for r in group if n or r.needs_q)
+        seconds += round_time(len(group), n, _bonus_steps([r.beta for r in group if _needs_q(r, n)], n))
+        seconds += sum(r.catchup for r in group if n or _needs_q(r, n))
     tokens = sum(expected_tokens(r.beta, _useful(r, n)) for r, n in zip(rows, ns, strict=True))
     return tokens / seconds if seconds > 0 else math.inf
+
+
+def _needs_q(row: RowChoice, n: int) -> bool:
+    return row.needs_q and (n > 0 or row.q_at_zero)
 
 
 def _useful(row: RowChoice, n: int) -> int:
@@ -175,10 +185,11 @@ class _Search:
             if g is None:
                 g = groups[n] = [0, 1.0, False, 0.0]
             g[0] += k
-            if row.needs_q:
+            needy = _needs_q(row, n)
+            if needy:
                 g[1] *= self.no_bonus[c][n]
                 g[2] = True
-            if n or row.needs_q:
+            if n or needy:
                 g[3] += k * row.catchup
         seconds = 0.0
         for n, (size, none, needy, catchup) in groups.items():
@@ -266,8 +277,9 @@ class DraftPlanner:
     start-up cost model, kept unchanged to report how well it alone predicts rounds. `force`
     pins every adaptive row to one N (benchmarks sweep fixed N with it, N = 0 included)."""
 
-    def __init__(self, cost, max_n: int, margin: float = MARGIN, max_batch: int = 8):
+    def __init__(self, cost, max_n: int, margin: float = MARGIN, max_batch: int = 8, p_when_undrafted=True):
         self.cost = cost
+        self.p_when_undrafted = p_when_undrafted  # see "from p" in the module doc
         self.profile = cost.copy()
         self.max_n = max_n
         self.margin = margin
@@ -294,7 +306,8 @@ class DraftPlanner:
         # Near its end a request cannot emit more than it has left; far from it, no cap, so that
         # rows of one tier form one class for the search (β on a grid for the same reason).
         cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
-        return RowChoice(_grid(beta), row.needs_q, fixed, catchup, cap)
+        q_at_zero = not (row.adaptive and self.p_when_undrafted)
+        return RowChoice(_grid(beta), row.needs_q, q_at_zero, fixed, catchup, cap)
 
     def assign(self, rows: Sequence) -> None:
         if not any(row.adaptive for row in rows):
@@ -302,7 +315,7 @@ class DraftPlanner:
         if self.force is not None:
             for row in rows:
                 if row.adaptive:
-                    row.num_draft = self.force
+                    self._set(row, self.force)
             return
         choices = [self.row_choice(row) for row in rows]
         self.table.refresh()
@@ -315,12 +328,16 @@ class DraftPlanner:
             self._plans[key] = plan
         for row, n in zip(rows, plan, strict=True):
             if row.adaptive:
-                row.num_draft = n
+                self._set(row, n)
+
+    def _set(self, row, n: int) -> None:
+        row.num_draft = n
+        row.from_p = n == 0 and row.needs_q and self.p_when_undrafted
 
     def predict(self, rows: Sequence, n: int) -> tuple[float, float]:
         """(live model, start-up profile) predictions of one round of `rows` at draft length n."""
         choices = [self.row_choice(row) for row in rows]
-        bonus = _bonus_steps([c.beta for c in choices if c.needs_q], n)
+        bonus = _bonus_steps([c.beta for c in choices if _needs_q(c, n)], n)
         return self.cost.round_time(len(rows), n, bonus), self.profile.round_time(len(rows), n, bonus)
 
     def learn(self, batch, out, seconds: dict) -> None:

@@ -73,6 +73,11 @@ class EmbeddedEngineConfig:
     served_name: str | None = None  # default: the target directory's name
     head: WeightHead | str | Path | None = None  # a callable, or a directory saved by head_store
     max_num_draft: int = 8  # largest N, per request or adaptive (cache slack is sized by it)
+    # Adaptive rows with w < 1 in rounds where the planner drafts nothing: True draws their token
+    # from p (what the target gives, at the cost of plain decoding), False from ν, which needs a
+    # draft step per token: exactly ν everywhere, but such a tier is then slower than plain
+    # decoding wherever drafting cannot pay (docs/algorithm.md, "Rounds without drafts").
+    p_when_undrafted: bool = True
     profile_budget_s: float = 3.0  # the start-up cost profile's time budget (cost_model.py)
     cache_dir: str | Path | None = None  # cost models and dtype choices; None = not cached
     max_waiting: int = 256  # queue bound; beyond it requests get EngineError 'capacity'
@@ -194,9 +199,13 @@ class EmbeddedEngine:
             num_threads=threads,
         )
         cost = load_or_profile(models, c.max_batch, c.max_num_draft, c.profile_budget_s, cache_dir)
-        models.planner = DraftPlanner(cost, c.max_num_draft, max_batch=c.max_batch)
+        models.planner = DraftPlanner(
+            cost, c.max_num_draft, max_batch=c.max_batch, p_when_undrafted=c.p_when_undrafted
+        )
         self.info.runtime.update(dtype=str(c.dtype).removeprefix("torch."), device=str(device))
         self.info.runtime["draft_length"] = "adaptive" if c.num_draft is None else c.num_draft
+        # Where adaptive w < 1 rows draw from when no drafts pay: "p" (default) or "nu" (--strict-nu).
+        self.info.runtime["undrafted_rounds_draw_from"] = "p" if c.p_when_undrafted else "nu"
         return models
 
     def cost_model_summary(self) -> dict | None:
@@ -337,9 +346,12 @@ class EmbeddedEngine:
         fixed = 0 if v.mode == "autoregressive" else (v.num_draft or c.num_draft)
         try:
             request = replace(request, sampling=s)
-            return Row(request, sink, fixed or 0, self.tokenizer, self.eos_ids, adaptive=fixed is None)
+            row = Row(request, sink, fixed or 0, self.tokenizer, self.eos_ids, adaptive=fixed is None)
         except ValueError as exc:  # e.g. Policy parameter ranges
             raise EngineError(str(exc), "invalid_request") from exc
+        if row.adaptive and c.p_when_undrafted:
+            row.eager_draft = False  # its draft runs only when drafting pays: catch up then
+        return row
 
     def submit(self, request: GenerationRequest, sink) -> Row:
         """Thread-safe enqueue (used by `generate` and by the synchronous benchmark)."""

@@ -134,6 +134,9 @@ class SpecStats:
     weight_sum: float = 0.0  # sum of the w applied per verified position (for mean w)
     weight_count: int = 0
     verify_steps: int = 0  # target forwards (rounds) for this request
+    # Rounds without drafts of a w < 1 request whose token came from p, not ν: drafting did not
+    # pay there and the planner fell back to plain decoding (draft_length.py, "from p").
+    target_only_rounds: int = 0
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -8,6 +8,8 @@ Terms
             every draft of the last round was accepted without a bonus step (the draft had not
             consumed its own last proposal), or more after rounds without drafts.
     num_draft  N for this row's next round; 0 means no drafts.
+    from_p  this round (N = 0) of a w < 1 row draws from p, not ν: the planner found drafting
+            does not pay, and ν would cost a draft step per token (`draft_length.py`).
     adaptive   N is chosen each round by the draft-length policy (`draft_length.py`); otherwise
             `num_draft` is fixed (a per-request or engine-wide N, or 0 for autoregressive rows).
     sink    callable receiving each `GenerationChunk`, or an `Exception` that ends the stream.
@@ -76,6 +78,8 @@ class Row:
         # Prefill the draft with the prompt only if it will surely run; adaptive w = 1 rows feed it
         # when they first draft (a row that never drafts never pays for the draft's prefill).
         self.eager_draft = self.needs_q or (self.num_draft > 0 and not self.adaptive)
+        # Set by the planner per round: this round (n = 0) draws from p, not ν (draft_length.py).
+        self.from_p = False
         # The latest round as `_provenance` reads it: (k, w per position, N, bonus drawn from ν).
         self.last_round: tuple[int, list[float], int, bool] = (0, [], 0, False)
 
@@ -103,6 +107,8 @@ class Row:
         self.last_round = (num_accepted, weights, n, bonus_from_nu)
         st = self.stats
         st.verify_steps += 1
+        if not n and self.needs_q and not bonus_from_nu:
+            st.target_only_rounds += 1
         if n:
             st.drafts += 1
             st.draft_tokens += n

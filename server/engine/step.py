@@ -275,12 +275,17 @@ def check(b: RoundBatch, d: Drafts, s: Scores, weights) -> Outcome:
     return out
 
 
+def _wants_q(row: Row) -> bool:
+    """The row draws its bonus (at N = 0: its token) from ν this round (see `Row.from_p`)."""
+    return row.needs_q and not row.from_p
+
+
 def bonus(models: Models, b: RoundBatch, d: Drafts, s: Scores, out: Outcome) -> None:
     """Rows with w < 1 whose N drafts were all accepted (every such row at N = 0) redraw their
     last token from ν at position N+1 with the same coin: one more draft step gives q there (it
     feeds x_N, or at N = 0 the pending tokens). w = 1 rows keep their p draw (ν = p)."""
     n = b.n
-    idx = [i for i, row in enumerate(b.rows) if row.needs_q and out.num_accepted[i] == n]
+    idx = [i for i, row in enumerate(b.rows) if _wants_q(row) and out.num_accepted[i] == n]
     out.bonus_rows = idx
     if not idx:
         return
@@ -338,7 +343,7 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> fl
         with timers.phase("verify_call", dev):
             weights, per_position = ensemble_weights(models, batch, drafts, scores)
             out = check(batch, drafts, scores, weights)
-        if any(row.needs_q for row in rows):
+        if any(_wants_q(row) for row in rows):
             with timers.phase("bonus", dev, count=0):
                 bonus(models, batch, drafts, scores, out)
             timers.bonus_steps += bool(out.bonus_rows)

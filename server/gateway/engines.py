@@ -62,6 +62,7 @@ def embedded_engine(args, pair: PairChoice):
             target_path=pair.target,
             draft_path=pair.draft,
             num_draft=args.num_draft,  # None: adaptive
+            p_when_undrafted=not getattr(args, "strict_nu", False),
             max_batch=args.max_batch,
             max_context=args.max_context,
             device=args.device,

@@ -194,6 +194,7 @@ class Tracker:
             s.weight_sum += st.weight_sum
             s.weight_count += st.weight_count
             s.verify_steps += st.verify_steps
+            s.target_only_rounds += st.target_only_rounds
             for pos, count in enumerate(st.accepted_per_position):
                 if pos == len(s.accepted_per_position):
                     s.accepted_per_position.append(0)
@@ -213,6 +214,7 @@ class Tracker:
             "acceptance_rate": s.acceptance_rate,
             "mean_accepted_length": s.mean_accepted_length,
             "verify_steps": s.verify_steps,
+            "target_only_rounds": s.target_only_rounds,
             "accepted_per_position": s.accepted_per_position,
         }
 

@@ -27,6 +27,11 @@ class DialspecStats(BaseModel):
     acceptance_rate: float | None = Field(description="accepted_tokens / draft_tokens")
     mean_accepted_length: float | None = Field(description="1 + accepted_tokens / drafts")
     verify_steps: int = Field(description="target forward passes")
+    target_only_rounds: int = Field(
+        0,
+        description="rounds without drafts whose token came from the target's p, not ν: where drafting "
+        "cannot pay, a w < 1 request falls back to plain decoding (never slower than quality 1)",
+    )
     accepted_per_position: list[int] = Field(
         description="index i: rounds whose draft at position i was accepted (divide by drafts for the "
         "acceptance by position); empty when the backend does not report it"
@@ -41,7 +46,8 @@ class TraceToken(BaseModel):
     source: Literal["draft", "corrected", "bonus", "target"] = Field(
         description="draft: a draft token the verifier accepted; corrected: drawn from the residual at "
         "the first rejection; bonus: drawn from ν after all N drafts were accepted; target: "
-        "autoregressive mode"
+        "drawn from p in a round without drafts (autoregressive mode, w = 1, or a w < 1 request's "
+        "fallback where drafting cannot pay)"
     )
     w: float | None = Field(
         description="ensemble weight applied at this position (static, or the learned head's w_t); "

@@ -39,6 +39,13 @@ def register(subparsers) -> None:
         help="draft length N: 'auto' (default) picks it per request and round from measured costs "
         "(0 = no drafts when they do not pay); a number fixes the default (requests may still set theirs)",
     )
+    p.add_argument(
+        "--strict-nu",
+        action="store_true",
+        help="with --num-draft auto: draw every token of a w < 1 request from ν, also in rounds where "
+        "drafting does not pay (one draft step per token, slower than plain decoding there); by default "
+        "such rounds draw from the target's p and report them as target_only_rounds",
+    )
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
     p.add_argument("--max-context", type=int, default=2048, help="prompt + completion tokens (default 2048)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
