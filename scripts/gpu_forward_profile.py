@@ -24,6 +24,40 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def _time_forward(model, cache, r: int, t: int, dev, profile, activity) -> dict:
+    """Median wall ms of 30 forwards (after 5 warm-ups); kernel ms and launches per forward."""
+    import torch
+
+    tokens = torch.randint(0, model.args.vocab_size, (r, t), device=dev)  # [R, T]
+    slots = torch.arange(r, device=dev)  # [R]
+    starts = torch.full((r,), 100, dtype=torch.long, device=dev)  # [R]
+
+    def fwd():
+        with torch.inference_mode():
+            return model.logits(model(tokens, slots, starts, cache, True))
+
+    for _ in range(5):
+        fwd()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        fwd()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    reps = 10
+    with profile(activities=[activity.CPU, activity.CUDA]) as prof:
+        for _ in range(reps):
+            fwd()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    return {
+        "wall_ms": round(1e3 * statistics.median(walls), 3),
+        "gpu_kernel_ms": round(sum(e.device_time for e in kernels) / 1e3 / reps, 3),
+        "launches": len(kernels) // reps,
+    }
+
+
 def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -49,46 +83,27 @@ def main() -> int:
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         cache = model.new_cache(8, 512)
         for r, t in ((1, 1), (1, 6), (8, 1), (8, 6)):
-            tokens = torch.randint(0, model.args.vocab_size, (r, t), device=dev)  # [R, T]
-            slots = torch.arange(r, device=dev)  # [R]
-            starts = torch.full((r,), 100, dtype=torch.long, device=dev)  # [R]
-
-            def fwd():
-                with torch.inference_mode():
-                    return model.logits(model(tokens, slots, starts, cache, True))
-
-            for _ in range(5):
-                fwd()
-            torch.cuda.synchronize()
-            walls = []
-            for _ in range(30):
-                t0 = time.perf_counter()
-                fwd()
-                torch.cuda.synchronize()
-                walls.append(time.perf_counter() - t0)
-            reps = 10
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(reps):
-                    fwd()
-                torch.cuda.synchronize()
-            kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-            kernel_ms = sum(e.device_time for e in kernels) / 1e3 / reps
             row = {
-                "model": which, "R": r, "T": t, "wall_ms": round(1e3 * statistics.median(walls), 3),
-                "gpu_kernel_ms": round(kernel_ms, 3), "launches": len(kernels) // reps,
-                "weights_gb": round(nbytes / 1e9, 3),
-                "bandwidth_floor_ms": round(nbytes / 3.0e12 * 1e3, 3),  # ~3 TB/s HBM3
+                "model": which,
+                "R": r,
+                "T": t,
+                **_time_forward(model, cache, r, t, dev, profile, ProfilerActivity),
             }
-            rows.append(row)
+            row.update(weights_gb=round(nbytes / 1e9, 3), bandwidth_floor_ms=round(nbytes / 3.0e12 * 1e3, 3))
+            rows.append(row)  # the floor assumes ~3 TB/s of HBM3
             print(json.dumps(row), flush=True)
         del model, cache
         torch.cuda.empty_cache()
-    print("\n| model | R | T | wall ms | GPU kernel ms | launches | bandwidth floor ms |\n|---|---|---|---|---|---|---|")
+    print("\n| model | R | T | wall ms | GPU kernel ms | launches | bandwidth floor ms |")
+    print("|---|---|---|---|---|---|---|")
     for x in rows:
-        print(f"| {x['model']} | {x['R']} | {x['T']} | {x['wall_ms']} | {x['gpu_kernel_ms']} | {x['launches']} "
-              f"| {x['bandwidth_floor_ms']} |")
+        cells = [
+            x[k] for k in ("model", "R", "T", "wall_ms", "gpu_kernel_ms", "launches", "bandwidth_floor_ms")
+        ]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
     if args.out:
-        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "shape": args.shape, "rows": rows}, indent=2))
+        report = {"gpu": torch.cuda.get_device_name(), "shape": args.shape, "rows": rows}
+        args.out.write_text(json.dumps(report, indent=2))
     return 0
 
 

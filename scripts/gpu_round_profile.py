@@ -30,18 +30,35 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, draft, _ = default_pair_paths()
     for tier in args.tiers.split(","):
-        opts = dict(concurrency=(args.concurrency,), tiers=(tier,), sweep=(args.n,), max_tokens=24, waves=2,
-                    trials=1, include_hf=False, device=device, dtype="bfloat16", profile_budget_s=1.0)
+        opts = dict(
+            concurrency=(args.concurrency,),
+            tiers=(tier,),
+            sweep=(args.n,),
+            max_tokens=24,
+            waves=2,
+            trials=1,
+            include_hf=False,
+            device=device,
+            dtype="bfloat16",
+            profile_budget_s=1.0,
+        )
         run_bench(target, draft, **opts)  # warm-up (shapes, allocator)
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])) as prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=activities) as prof:
             report = run_bench(target, draft, **opts)
         for row in report["rows"]:
-            print(f"{tier}: {row['method']} c={row['concurrency']}: {row['tokens_per_s']:.0f} tok/s, "
-                  f"t_draft {row['t_draft_ms']} ms, t_verify {row['t_verify_ms']} ms", flush=True)
+            print(
+                f"{tier}: {row['method']} c={row['concurrency']}: {row['tokens_per_s']:.0f} tok/s, "
+                f"t_draft {row['t_draft_ms']} ms, t_verify {row['t_verify_ms']} ms",
+                flush=True,
+            )
         ka = prof.key_averages()
-        print(f"\n## {tier}: by self host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        print(
+            f"\n## {tier}: by self host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=args.rows)
+        )
         if device == "cuda":
-            print(f"\n## {tier}: by device time\n" + ka.table(sort_by="self_device_time_total", row_limit=args.rows))
+            by_device = ka.table(sort_by="self_device_time_total", row_limit=args.rows)
+            print(f"\n## {tier}: by device time\n" + by_device)
     return 0
 
 
