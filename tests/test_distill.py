@@ -16,8 +16,8 @@ from training.distill import (
 )
 from training.rl import TrainConfig, regulariser, warm_start
 from training.rollout import Forced
-from verifier.head import HeadConfig, WeightHead, position_stats
 from verifier.dial import PolicyKind
+from verifier.head import HeadConfig, WeightHead, position_stats
 from verifier.policies import Policy, PolicyBatch, cascade_greedy
 from verifier.theory import tv_distance
 
@@ -103,3 +103,32 @@ def test_cascade_anchor_is_zero_on_the_cascade_and_warm_start_picks_distil():
         warm_start(WeightHead(HeadConfig(4, 6)), forced, TrainConfig(warm_start="distil"))
     with pytest.raises(ValueError, match="dial_interactions"):
         HeadConfig(4, 6, inputs="states", dial_interactions=True)
+
+
+def test_exact_at_full_dial_pins_w_to_one_only_at_the_top():
+    forced = _forced(*_pq(b=3, t=5, seed=4))
+    head = WeightHead(HeadConfig(4, 6, inputs="stats", dial_interactions=True, exact_at_full_dial=True))
+    torch.nn.init.normal_(head.out.weight)
+    w = head(forced.h_draft, forced.h_target, torch.tensor([0.5, 0.99, 1.0]), forced.stats)
+    assert bool((w[2] == 1).all()) and not bool((w[:2] == 1).all())
+
+
+def test_train_with_zero_updates_is_the_distilled_head(tiny_pair, tmp_path):
+    from server.engine.head_store import load_head
+    from training.trainer import Trainer
+
+    target, draft = tiny_pair
+    logs: list[str] = []
+    cfg = TrainConfig(
+        target_path=str(target), draft_path=str(draft), pair_name="tiny-pair", out_dir=str(tmp_path / "head"),
+        run_dir=str(tmp_path / "run"), tasks=("math",), train_prompts=2, dev_prompts=1, dev_dials=(0.5,),
+        updates=0, batch=2, group_size=1, max_tokens=8, dials=(0.25, 0.5, 1.0), warm_start_steps=20,
+        head_inputs="stats", head_dial_interactions=True, head_exact_at_full_dial=True,
+    )  # fmt: skip
+    summary = Trainer(cfg, log=logs.append).train(progress=False)
+    assert summary["updates"] == 0 and len(summary["dev"]) == 2  # before and after the warm start
+    assert any(line.startswith("distil warm start") for line in logs)
+    assert any("agreement with SpecCascade" in line for line in logs)
+    head = load_head(cfg.out_dir, "tiny-pair", target_path=str(target), draft_path=str(draft))
+    assert head.config.dial_interactions and head.config.exact_at_full_dial
+    assert float(head.out.weight.detach().abs().sum()) > 0  # the output unit moved off its zero init

@@ -44,7 +44,8 @@ def deferral_score(stats: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
 
 
 def cascade_weights(stats: torch.Tensor, dial: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`c_t(d)` `[B, T]` in {0, 1}: SpecCascade's w at α(d) per rollout dial `[B]`, 1 at d = 1, 0 at padding."""
+    """`c_t(d)` `[B, T]` in {0, 1}: SpecCascade's w at α(d) for per-rollout dials `[B]`
+    (1 at d = 1, 0 at padding)."""
     defer = deferral_score(stats, cascade_alpha(dial)) > 0  # [B, T]
     defer = defer | (dial.view(-1, 1) >= 1.0)
     return (defer & mask).float()
@@ -80,7 +81,7 @@ def _solve_linear_rule(head, rep: Forced, dial: torch.Tensor, sharpness: float) 
 
 
 def distil_cascade(
-    head, forced: Forced, grid: tuple[float, ...], steps: int, lr: float, sharpness: float = 100.0
+    head, forced: Forced, grid: tuple[float, ...], steps: int, lr: float, sharpness: float = 300.0
 ) -> float:
     """Fit `head` (one that reads position stats) to `c_t(d)` on every dial of `grid`: a linear head
     starts from the least-squares solution of logit = sharpness·u_α(d) (with dial interactions,

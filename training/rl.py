@@ -88,6 +88,8 @@ class TrainConfig:
     # or "auto": distil for heads with dial interactions, cascade for other stats heads
     warm_start: str = "auto"
     head_dial_interactions: bool = False  # the head also reads d · stats (verifier.head)
+    head_exact_at_full_dial: bool = False  # the head's w is exactly 1 at d = 1 (verifier.head)
+    distil_sharpness: float = 300.0  # the distil warm start's logit scale k: logit = k·u_α(d)
     cascade_alpha: float = 0.5  # the cascade warm start ranks positions by max p − max q − α·TV
     default_dial: float = 0.5
     eval_every: int = 20
@@ -248,7 +250,8 @@ def warm_start(head: WeightHead, forced: Forced, cfg: TrainConfig) -> tuple[str,
     if kind == "cascade":
         return kind, cascade_warm_start(head, forced, cfg)
     if kind == "distil":
-        return kind, distil_cascade(head, forced, cfg.dials, cfg.warm_start_steps, cfg.warm_start_lr)
+        steps, lr = cfg.warm_start_steps, cfg.warm_start_lr
+        return kind, distil_cascade(head, forced, cfg.dials, steps, lr, cfg.distil_sharpness)
     if kind != "regulariser":
         raise ValueError(f"warm_start must be auto, regulariser, cascade or distil, got {kind!r}")
     return kind, dial_warm_start(head, forced, cfg)

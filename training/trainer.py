@@ -59,6 +59,7 @@ class Trainer:
             dial_conditioned=cfg.dial_conditioned,
             inputs=cfg.head_inputs,
             dial_interactions=cfg.head_dial_interactions,
+            exact_at_full_dial=cfg.head_exact_at_full_dial,
         )
         self.ref = WeightHead(self.head.config)
         self.ref.load_state_dict(self.head.state_dict())

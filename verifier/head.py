@@ -78,6 +78,7 @@ class HeadConfig:
     pair_fingerprint: str = ""  # sha256 over the pair's weight files ("" = unchecked)
     default_dial: float = DEFAULT_AUTO_DIAL  # the dial `quality: "auto"` uses (servers may override)
     dial_interactions: bool = False  # also read d · stats (needs stats and dial conditioning)
+    exact_at_full_dial: bool = False  # w = 1 exactly at d >= 1 (the dial's top is lossless SD)
 
     def __post_init__(self):
         if self.inputs not in HEAD_INPUTS:
@@ -175,7 +176,11 @@ class WeightHead(nn.Module):
         return self.out(x).squeeze(-1)  # [R, N]
 
     def forward(self, h_draft, h_target, dial, stats=None) -> torch.Tensor:
-        return torch.sigmoid(self.logit(h_draft, h_target, dial, stats))  # [R, N]
+        w = torch.sigmoid(self.logit(h_draft, h_target, dial, stats))  # [R, N]
+        if self.config.exact_at_full_dial:  # a sigmoid never reaches 1: pin the top of the dial
+            top = dial.to(w.device).view(-1, 1) >= 1.0  # [R, 1]
+            w = torch.where(top, torch.ones_like(w), w)
+        return w
 
 
 def wants_stats(head) -> bool:
