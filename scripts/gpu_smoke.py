@@ -3,6 +3,12 @@
 
     python scripts/gpu_smoke.py engine --out DIR     greedy agreement CUDA vs CPU; tok/s AR vs SD
     python scripts/gpu_smoke.py report --out DIR     DIR/gpu-results.md from what the steps wrote
+    python scripts/gpu_smoke.py bench --out DIR [--pairs embedded,qwen,llama8b] [--work TMP]
+        `dialspec bench engine` on CUDA (issue 13's target table): the embedded pair, and
+        random-weight pairs with Qwen2.5-0.5B -> 1.5B and Llama-3.2-1B -> 3.1-8B shapes written by
+        `dialspec pair synth` into --work (not under DIR: DIR comes back to the caller; the weights
+        are 4 and 19 GB). Each pair's bench is bounded by --max-seconds so the whole step fits one
+        10-minute call; DIR/bench-<pair>.json|md per pair and DIR/gpu-bench.md for docs/gpu-results.md.
 
 Needs only torch (CUDA), transformers, tokenizers and safetensors: no SGLang, no network, no
 dialspec install (the repository root is put on the import path).
@@ -28,6 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 AGREEMENT_FLOOR = 0.90  # CUDA fp32 vs CPU fp32, identical greedy sequences
+# The engine step's throughput table (`run_bench` options besides waves and trials).
+ENGINE_BENCH = dict(
+    concurrency=(1, 8, 32), max_tokens=24, tiers=("exact", "standard", "q0"), sweep=(5,), temperature=1.0,
+    include_hf=True, device="cuda", dtype="bfloat16",
+)  # fmt: skip
 NUM_PROMPTS = 24
 MAX_TOKENS = 48
 
@@ -131,10 +142,7 @@ def engine_main(out: Path, waves: int, trials: int) -> int:
               "seconds": time.perf_counter() - t0}  # fmt: skip
     print(json.dumps(greedy, indent=2), flush=True)
 
-    report = run_bench(
-        target, draft, concurrency=(1, 8, 32), max_tokens=24, num_draft=5, temperature=1.0,
-        include_hf=True, waves=waves, trials=trials, device="cuda", dtype="bfloat16",
-    )  # fmt: skip
+    report = run_bench(target, draft, waves=waves, trials=trials, **ENGINE_BENCH)
     report["meta"]["gpu"] = torch.cuda.get_device_name()
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine-greedy.json").write_text(json.dumps(greedy, indent=2))
@@ -203,10 +211,71 @@ def report_main(out: Path, device_label: str) -> int:
     bench_md = out / "engine-bench.md"
     if bench_md.exists():
         body = bench_md.read_text().split("\n", 2)[2]  # drop the '# dialspec bench engine' title
-        lines += ["Throughput (`run_bench`, bf16, N = 5, 24 tokens, T = 1):", "", body]
+        lines += ["Throughput (`run_bench`, bf16, adaptive N and N = 5, 24 tokens, T = 1):", "", body]
     (out / "gpu-results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+# pair -> (synth shape or None for the embedded pair, bench options); --max-seconds per pair keeps
+# the whole step within one 10-minute device call (weights written and loaded inside the budget).
+BENCH_PAIRS = {
+    "embedded": (None, dict(concurrency=(1, 8, 32), max_tokens=24, waves=4, trials=3,
+                            sweep=tuple(range(9)), max_seconds=150)),
+    "qwen": ("qwen2.5-0.5b-1.5b", dict(concurrency=(1, 8, 32), max_tokens=64, prompts=8, trials=2,
+                                       sweep=(0, 1, 2, 3, 4, 6, 8), include_hf_assisted=False,
+                                       max_seconds=150)),
+    "llama8b": ("llama3-1b-8b", dict(concurrency=(1, 8), max_tokens=64, prompts=8, trials=1,
+                                     sweep=(0, 2, 4, 8), include_hf_assisted=False, max_seconds=120)),
+}  # fmt: skip
+
+
+def bench_main(out: Path, pairs: list[str], work: Path) -> int:
+    """`run_bench` per pair on CUDA (see the module doc); one markdown summary of all of them."""
+    import torch
+    from rich.progress import Progress
+
+    from server.engine.bench import run_bench, to_markdown
+    from server.engine.embedded import default_pair_paths
+    from training.synth_pair import write_pair
+
+    if not torch.cuda.is_available():
+        print("gpu_smoke: torch sees no CUDA device", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    status, sections = 0, []
+    for name in pairs:
+        shape, options = BENCH_PAIRS[name]
+        t0 = time.perf_counter()
+        try:
+            if shape is None:
+                target, draft, _ = default_pair_paths()
+            else:
+                pair_dir = work / f"synth-{shape}"
+                if not (pair_dir / "pair.json").exists():
+                    write_pair(pair_dir, shape, device="cuda")
+                target, draft = pair_dir / "target", pair_dir / "draft"
+            with Progress() as progress:  # one line per run in a non-terminal log
+                report = run_bench(target, draft, progress, device="cuda", dtype="bfloat16", **options)
+        except Exception as exc:  # one pair failing (e.g. out of memory) must not lose the others
+            print(f"gpu_smoke bench {name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            sections.append(f"### {name}\n\nfailed: `{type(exc).__name__}: {exc}`\n")
+            status = 1
+            continue
+        report["meta"].update(gpu=torch.cuda.get_device_name(), pair=name, shape=shape,
+                              step_s=round(time.perf_counter() - t0, 1))  # fmt: skip
+        md = to_markdown(report)
+        (out / f"bench-{name}.json").write_text(json.dumps(report, indent=2))
+        (out / f"bench-{name}.md").write_text(md)
+        print(md, flush=True)
+        sections.append(f"### {name} ({shape or 'embedded pair'})\n\n" + md.split("\n", 2)[2])
+        torch.cuda.empty_cache()
+    (out / "gpu-bench.md").write_text(
+        f"## {time.strftime('%Y-%m-%d')} — bench engine on {torch.cuda.get_device_name()}\n\n"
+        "`scripts/gpu_smoke.sh bench` (issue 13's targets; bf16; adaptive N per tier, fixed-N sweep)\n\n"
+        + "\n".join(sections)
+    )
+    return status
 
 
 def _versions() -> str:
@@ -221,12 +290,19 @@ def _versions() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=("engine", "report"))
+    ap.add_argument("step", choices=("engine", "report", "bench"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--waves", type=int, default=8)
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--device-label", default="GPU")
+    ap.add_argument("--pairs", default=",".join(BENCH_PAIRS), help=f"bench: some of {','.join(BENCH_PAIRS)}")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/dialspec-gpu-bench"), help="bench: synth weights")
     args = ap.parse_args()
+    if args.step == "bench":
+        pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
+        if not pairs or any(p not in BENCH_PAIRS for p in pairs):
+            ap.error(f"--pairs takes some of {','.join(BENCH_PAIRS)}, got {args.pairs!r}")
+        return bench_main(args.out, pairs, args.work)
     if args.step == "engine":
         return engine_main(args.out, args.waves, args.trials)
     return report_main(args.out, args.device_label)

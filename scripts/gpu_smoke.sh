@@ -10,6 +10,10 @@
 #     (c) the embedded engine on CUDA: greedy agreement with the CPU, tok/s AR vs SD at batch 1/8/32
 #   and writes OUTDIR/gpu-results.md (default $OUT, else gpu-smoke-results/), the section that goes
 #   into docs/gpu-results.md. Exit status: non-zero if any step failed.
+#   scripts/gpu_smoke.sh bench [OUTDIR] [PAIRS]   on the GPU node (no prepare needed), one call of
+#     under 10 minutes: `dialspec bench engine` on CUDA for the embedded pair and random-weight
+#     Qwen2.5-0.5B->1.5B and Llama-3.2-1B->3.1-8B shapes (PAIRS: some of embedded,qwen,llama8b);
+#     writes OUTDIR/bench-<pair>.{json,md} and OUTDIR/gpu-bench.md (issue 13's target tables).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.gpu_smoke
@@ -42,8 +46,14 @@ run)
     python3 scripts/gpu_smoke.py report --out "$out" --device-label "$(head -1 "$out/device.txt")" || status=1
     exit $status
     ;;
+bench)
+    out=${2:-${OUT:-gpu-bench-results}}
+    export PYTHONUNBUFFERED=1
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 scripts/gpu_smoke.py bench --out "$out" --pairs "${3:-embedded,qwen,llama8b}"
+    ;;
 *)
-    echo "usage: scripts/gpu_smoke.sh prepare | run [OUTDIR]" >&2
+    echo "usage: scripts/gpu_smoke.sh prepare | run [OUTDIR] | bench [OUTDIR] [PAIRS]" >&2
     exit 2
     ;;
 esac

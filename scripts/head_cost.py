@@ -78,8 +78,10 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--waves", type=int, default=3)
+    ap.add_argument("--num-draft", type=int, default=5, help="fixed N: rounds comparable")
     args = ap.parse_args()
-    engine = EmbeddedEngine(EmbeddedEngineConfig(head=args.head, max_batch=args.concurrency))
+    config = EmbeddedEngineConfig(head=args.head, max_batch=args.concurrency, num_draft=args.num_draft)
+    engine = EmbeddedEngine(config)
     engine.start_sync()
     sched = engine.scheduler
     sched.models.head = TimedHead(sched.models.head)

@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -7,6 +10,12 @@ import pytest
 # (tests/test_sglang_chain_kernel.py), so the CPU run sets it before anything imports triton.
 if os.environ.get("DIALSPEC_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Servers started by tests (in-process or as subprocesses) cache measured cost models and dtype
+# choices here, never in the user's ~/.cache.
+if "DIALSPEC_CACHE_DIR" not in os.environ:
+    os.environ["DIALSPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="dialspec-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["DIALSPEC_CACHE_DIR"], True)
 
 from tests.tiny_pair import make_tiny_pair  # noqa: E402
 

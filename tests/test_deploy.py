@@ -570,7 +570,8 @@ def test_dashboard_metrics_exist_on_a_live_gateway(tiny_pair):
     """Every `dialspec:` name the dashboard queries is a series on the real gateway's /metrics,
     with the gateway configured from .env.example the way the compose files configure it."""
     settings_env = _env_example()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DIALSPEC_")}
+    # The gateway's settings come from .env.example alone (the test cache dir stays: see conftest).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DIALSPEC_") or k == "DIALSPEC_CACHE_DIR"}
     env.update(
         DIALSPEC_BACKEND="embedded",
         DIALSPEC_TIERS=settings_env["TIERS"],

@@ -7,40 +7,61 @@ import json
 import torch
 
 from server.cli import main
-from server.engine.bench import ENSEMBLE_WEIGHTS
 
 
 def test_bench_engine_quick_writes_every_row(tiny_pair, tmp_path):
     target, draft = tiny_pair
     out = tmp_path / "bench"
     argv = ["bench", "engine", "--quick", "--target", str(target), "--draft", str(draft)]
-    assert main([*argv, "--concurrency", "1,2", "--out", str(out)]) == 0
+    argv += ["--concurrency", "1,2", "--tiers", "exact,lite", "--sweep", "--max-num-draft", "2"]
+    assert main([*argv, "--out", str(out)]) == 0
     report = json.loads((out / "engine.json").read_text())
     md = (out / "engine.md").read_text()
-    methods = ["hf_generate", "dialspec_ar", "dialspec_sd"] + [f"dialspec_w{w}" for w in ENSEMBLE_WEIGHTS]
+    tiers = ["exact", "lite"]
+    methods = ["hf_generate", "dialspec_ar", "dialspec_ar_control"] + [f"dialspec_{t}" for t in tiers]
+    methods += [f"dialspec_{t}_N{n}" for t in tiers for n in range(3)]
     got = {(r["method"], r["concurrency"]) for r in report["rows"]}
     # HF assisted generation is batch-1 only: measured once, at c = 1.
     expected = {(m, c) for m in methods for c in (1, 2)} | {("hf_assisted", 1), ("hf_assisted_w0.5", 1)}
     assert got == expected
-    # Every concurrency serves the same workload: same requests, so the same token total.
     by = {(r["method"], r["concurrency"]): r for r in report["rows"]}
-    for m in methods:
+    for m in methods:  # every concurrency serves the same workload: the same token total
         assert by[(m, 1)]["tokens"] == by[(m, 2)]["tokens"]
+    for n in range(3):  # a pinned N is what ran
+        assert abs(by[(f"dialspec_exact_N{n}", 1)]["mean_n"] - n) < 1e-9
     for r in report["rows"]:
         assert r["tokens_per_s"] > 0
-        if r["method"].startswith("dialspec_") and r["method"] != "dialspec_ar":
-            assert r["acceptance_rate"] is not None and r["predicted_speedup"] is not None
-            assert 0 <= r["verify_fraction"] <= 1
+        if r["method"].startswith("dialspec_"):
+            assert r["round_error"] is not None and 0 <= r["verify_fraction"] <= 1
         assert f"| {r['method']} | {r['concurrency']} |" in md
-    assert {"sd_b1_vs_hf_assisted", "measured_over_predicted_min", "verify_fraction_max"} <= set(
-        report["targets"]
-    )
+    names = " ".join(report["targets"])
+    parts = ("exact / AR, c=1", "adaptive / best fixed N", "AR / HF generate", "mean round time")
+    assert all(part in names for part in parts) and "noise: AR control / AR, c=1" in names
+    meta = report["meta"]
+    assert meta["cost_model"]["target_ms"] and meta["bandwidth"]["limit_tokens_per_s"] > 0
+    assert meta["dtype"] in ("float32", "bfloat16") and meta["dtype_choice"]["dtype"] == meta["dtype"]
+    assert "## Cost model" in md
+
+
+def test_bench_engine_max_seconds_stops_starting_runs(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    out = tmp_path / "bench"
+    argv = ["bench", "engine", "--quick", "--target", str(target), "--draft", str(draft), "--no-hf"]
+    assert main([*argv, "--tiers", "exact", "--max-seconds", "0.001", "--out", str(out)]) == 0
+    report = json.loads((out / "engine.json").read_text())
+    assert report["meta"]["stopped_early"] and report["rows"] == []
 
 
 def test_bench_engine_user_mistakes_are_cli_errors(tmp_path, capsys):
     assert main(["bench", "engine", "--target", str(tmp_path)]) == 2
     assert main(["bench", "engine", "--target", str(tmp_path), "--draft", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
+    assert main(["bench", "engine", "--tiers", "exact,bogus"]) == 2
+    assert "bogus" in capsys.readouterr().err
+    assert main(["bench", "engine", "--sweep", "0,x"]) == 2
+    assert "--sweep takes Ns" in capsys.readouterr().err
+    assert main(["bench", "engine", "--sweep", "2,9", "--max-num-draft", "8"]) == 2
+    assert "0..--max-num-draft (8)" in capsys.readouterr().err
 
 
 def test_bench_engine_device_mistakes_are_cli_errors(tiny_pair, capsys):

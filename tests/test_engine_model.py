@@ -8,10 +8,12 @@ model (q/k/v bias, tied embeddings) and for llama3 RoPE scaling.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from server.engine.llama import ModelArgs, load_model, rope_inv_freq
+from server.engine import llama
+from server.engine.llama import ModelArgs, linear, load_model, rope_inv_freq
 
 ATOL = 1e-4
 
@@ -36,7 +38,32 @@ def test_full_forward_matches_transformers(tiny_pair):
         assert (ours - ref).abs().max().item() < ATOL
 
 
-def test_ragged_incremental_decoding_matches_transformers(tiny_pair):
+@pytest.fixture(params=["F.linear", "small-M"])
+def matmul_path(request, monkeypatch):
+    """Run a test with the stock matmuls, and with `llama.linear`'s transposed small-M product
+    taken for every weight (real-size weights take it; the tiny test models are below its size
+    threshold)."""
+    if request.param == "small-M":
+        monkeypatch.setattr(llama, "_LARGE_WEIGHT", 0)
+    return request.param
+
+
+def test_small_m_linear_equals_f_linear():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, 1024, generator=g) * 0.02  # [N, K]: at the size threshold
+    b = torch.randn(4096, generator=g)
+    for shape in [(1, 1), (1, 2), (2, 3), (1, 16), (17,), (2, 9)]:
+        x = torch.randn(*shape, 1024, generator=g)  # [..., K]
+        ref = torch.nn.functional.linear(x, w, b)
+        out = linear(x, w, b)
+        assert out.shape == ref.shape and out.is_contiguous()
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+        rows = x.numel() // 1024
+        if 2 <= rows <= 16:  # the transposed product was taken (bit-equal to computing it directly)
+            assert torch.equal(out.reshape(rows, -1), (w @ x.reshape(rows, -1).t()).t() + b)
+
+
+def test_ragged_incremental_decoding_matches_transformers(tiny_pair, matmul_path):
     """Two rows in non-contiguous slots, prefilled to different lengths, then decoded in chunks."""
     target, _ = tiny_pair
     ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))  # [2, 20]
@@ -62,7 +89,7 @@ def test_ragged_incremental_decoding_matches_transformers(tiny_pair):
     assert (out[0] - ref_alt[0, 6:9]).abs().max().item() < ATOL
 
 
-def test_qwen2_bias_and_tied_embeddings(tmp_path):
+def test_qwen2_bias_and_tied_embeddings(tmp_path, matmul_path):
     torch.manual_seed(0)
     cfg = Qwen2Config(
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -100,3 +127,16 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     assert torch.allclose(rope_inv_freq(args), ref_inv.float(), rtol=1e-5, atol=1e-9)
     ids = torch.randint(0, 96, (1, 80))  # beyond the original context, where scaling matters
     assert (_ours_full(tmp_path, ids) - _hf_logits(tmp_path, ids)).abs().max().item() < ATOL
+
+
+def test_cuda_attention_leaves_out_cudnn_and_cpu_is_unchanged():
+    """cuDNN attention builds a plan per (rows, T, keys) shape, i.e. nearly every decode step (see
+    llama.py's module doc): forwards on CUDA run without it, and the global flags come back after."""
+    flags = torch.backends.cuda
+    before = (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled())
+    with llama.attention_backends(torch.device("cuda")):
+        assert not flags.cudnn_sdp_enabled()
+        assert flags.flash_sdp_enabled() and flags.mem_efficient_sdp_enabled() and flags.math_sdp_enabled()
+    assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled()) == before
+    with llama.attention_backends(torch.device("cpu")):
+        assert flags.cudnn_sdp_enabled() == before[0]

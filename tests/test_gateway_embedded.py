@@ -56,6 +56,17 @@ def test_chat_and_completion(client):
     assert len(c.choices) == 2 and c.model_extra["dialspec"]["mean_w"] == pytest.approx(1.0)
 
 
+def test_engine_runtime_shows_dtype_and_the_live_cost_model(served):
+    srv, engine = served
+    body = httpx.get(srv.url + "/v1/engine/runtime", timeout=10).json()
+    rt = body["runtime"]
+    assert body["backend"] == "embedded" and rt["dtype"] == "float32" and rt["draft_length"] == 4
+    cost = rt["cost_model"]  # ms per stage at batch 1 and max_batch, JSON keys are strings
+    assert set(cost["target_ms"]) == {"1", str(engine.config.max_batch)}
+    assert len(cost["target_ms"]["1"]) == engine.config.max_num_draft + 1
+    assert all(v > 0 for v in cost["target_ms"]["1"]) and cost["draft_step_ms"]["1"] > 0
+
+
 def test_stream_equals_non_stream_for_a_seed(client):
     kw = dict(model=NAME, messages=MSG, max_tokens=16, seed=7, temperature=1.0, extra_body={"quality": 0.5})
     whole = client.chat.completions.create(**kw)

@@ -55,6 +55,7 @@ OPERATIONS = [
     ("/v1/models", "GET"),
     ("/v1/models/{model_id}", "GET"),
     ("/v1/dial", "GET"),
+    ("/v1/engine/runtime", "GET"),
     ("/health", "GET"),
     ("/ready", "GET"),
     ("/metrics", "GET"),

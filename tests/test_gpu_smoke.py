@@ -55,3 +55,24 @@ def test_smoke_script_names_its_verbs_on_a_wrong_one():
         ["bash", str(ROOT / "scripts" / "gpu_smoke.sh"), "bogus"], capture_output=True, text=True
     )
     assert out.returncode == 2 and "usage" in out.stderr
+
+
+def test_bench_options_are_bench_config_fields():
+    """The GPU steps call `run_bench` with options checked only there: a renamed field would fail
+    on the GPU node, not here."""
+    from server.engine.bench.runner import BenchConfig
+
+    smoke = _smoke()
+    BenchConfig("t", "d", waves=1, trials=1, **smoke.ENGINE_BENCH)
+    for _shape, options in smoke.BENCH_PAIRS.values():
+        BenchConfig("t", "d", device="cuda", dtype="bfloat16", **options)
+
+
+def test_bench_step_refuses_unknown_pairs_and_a_missing_gpu(tmp_path):
+    script = str(ROOT / "scripts" / "gpu_smoke.py")
+    argv = [sys.executable, script, "bench", "--out", str(tmp_path), "--pairs"]
+    out = subprocess.run([*argv, "bogus"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--pairs takes some of embedded,qwen,llama8b" in out.stderr
+    if not torch.cuda.is_available():
+        out = subprocess.run([*argv, "embedded"], capture_output=True, text=True)
+        assert out.returncode == 2 and "no CUDA device" in out.stderr

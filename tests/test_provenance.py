@@ -47,8 +47,8 @@ def _row(tokenizer, *, trace=True, n=N, max_tokens=64, stop=(), policy=PolicyKin
     return Row(request, chunks.append, n, tokenizer, frozenset({tokenizer.eos_token_id})), chunks
 
 
-def _round(row, tokens, k, weights):
-    row.record_round(k, weights)
+def _round(row, tokens, k, weights, n=None, from_nu=False):
+    row.record_round(k, weights, row.num_draft if n is None else n, from_nu)
     row.emit_tokens(tokens)
 
 
@@ -57,7 +57,7 @@ def test_row_labels_drafts_corrections_and_bonus(tokenizer):
     assert len(ids) >= 8
     row, chunks = _row(tokenizer)
     _round(row, ids[:3], 2, [0.1, 0.2, 0.3, 0.4])  # 2 drafts accepted, then the correction
-    _round(row, ids[3:8], 4, [0.5, 0.6, 0.7, 0.8, 0.9])  # all 4 accepted, then the bonus from ν
+    _round(row, ids[3:8], 4, [0.5, 0.6, 0.7, 0.8, 0.9], from_nu=True)  # all 4, then the bonus from ν
     first, second = (c.provenance for c in chunks)
     assert [(t.source, t.position, t.weight, t.num_draft) for t in first] == [
         ("draft", 0, 0.1, N),
@@ -105,6 +105,11 @@ def test_row_autoregressive_baselines_and_off(tokenizer):
     row, chunks = _row(tokenizer, n=0)
     _round(row, ids[:1], 0, [])
     assert [(t.source, t.weight, t.num_draft) for t in chunks[0].provenance] == [("target", None, 0)]
+    row, chunks = _row(tokenizer)  # a round without drafts (adaptive N = 0) that drew from ν
+    _round(row, ids[:1], 0, [0.5], n=0, from_nu=True)
+    assert [(t.source, t.weight, t.num_draft) for t in chunks[0].provenance] == [("bonus", 0.5, 0)]
+    _round(row, ids[1:2], 0, [], n=0)  # ... and one that drew from p (ν = p for it)
+    assert [(t.source, t.weight) for t in chunks[1].provenance] == [("target", None)]
     row, chunks = _row(tokenizer, policy=PolicyKind.LOSSY)  # baselines have no w
     _round(row, ids[:2], 1, [0.5] * N)
     assert [(t.source, t.weight) for t in chunks[0].provenance] == [("draft", None), ("corrected", None)]

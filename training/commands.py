@@ -125,6 +125,12 @@ def register(subparsers) -> None:
         help="more heads to evaluate beside --head, reported as learned[NAME]",
     )  # fmt: skip
     e.add_argument("--quick", action="store_true", help="a small, fast slice (6 prompts, fewer points)")
+    e.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="model dtype (auto: bfloat16 on CUDA, on CPU the faster one for this pair, measured)",
+    )
     e.set_defaults(func=run_eval_cmd)
 
 
@@ -205,7 +211,12 @@ def run_eval_cmd(args) -> int:
             except (FileNotFoundError, ValueError) as exc:
                 raise CLIError(f"{exc} (or pass --head none)") from exc
     cfg = EvalConfig(
-        target_path=target, draft_path=draft, pair_name=name, head_path=head_path, seed=args.seed
+        target_path=target,
+        draft_path=draft,
+        pair_name=name,
+        head_path=head_path,
+        seed=args.seed,
+        dtype=args.dtype,
     )
     if args.quick:
         cfg.limit, cfg.max_tokens, cfg.w_sweep, cfg.dials = 6, 48, (0.0, 0.5), (0.25, 0.75)

@@ -4,6 +4,7 @@ dialspec pair train [--out DIR] [--minutes M]   tokenizer + draft + target, scor
 dialspec pair score [--pair DIR] [--n N]         re-measure scores and acceptance, rewrite the card
 dialspec pair verify [--pair DIR]                check SHA256SUMS
 dialspec pair prompts [--pair DIR] [--n N]       write the pair's prompts.jsonl (test-split prompts)
+dialspec pair synth --out DIR [--shape S]        random-weight pair with a public pair's exact shapes
 dialspec tasks export --task T --split S [--n N] [--out FILE]   JSONL of generated examples
 """
 
@@ -88,6 +89,24 @@ def _prompts(args) -> int:
     return 0
 
 
+def _synth(args) -> int:
+    from rich.progress import Progress
+
+    from training.synth_pair import PAIRS, num_tensors, write_pair
+
+    if args.shape not in PAIRS:
+        raise CLIError(f"unknown --shape {args.shape!r}; use one of: {', '.join(PAIRS)}")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not (out / "pair.json").exists():
+        raise CLIError(f"{out} exists and is not a synthetic pair; pick an empty or new --out")
+    with Progress() as progress:
+        task = progress.add_task(f"writing {args.shape}", total=num_tensors(args.shape))
+        meta = write_pair(out, args.shape, args.seed, args.device, lambda n: progress.advance(task, n))
+    print(json.dumps(meta, indent=1))
+    print(f"bench it: dialspec bench engine --target {out / 'target'} --draft {out / 'draft'}")
+    return 0
+
+
 def _export(args) -> int:
     if args.n < 1:
         raise CLIError(f"--n must be >= 1 (got {args.n})")
@@ -135,6 +154,15 @@ def register(subparsers) -> None:
     prompts.add_argument("--pair", default=str(EMBEDDED_PAIR_DIR))
     prompts.add_argument("--n", type=int, default=PROMPTS_PER_TASK, help="prompts per task")
     prompts.set_defaults(func=_prompts)
+
+    synth = psub.add_parser("synth", help="random-weight pair with a public pair's exact shapes (speed only)")
+    synth.add_argument("--out", required=True, help="output directory (target/, draft/, pair.json)")
+    synth.add_argument(
+        "--shape", default="qwen2.5-0.5b-1.5b", help="qwen2.5-0.5b-1.5b (default) or llama3-1b-8b"
+    )
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--device", default="cpu", help="where the random numbers are drawn (cpu, cuda)")
+    synth.set_defaults(func=_synth)
 
     tasks = subparsers.add_parser("tasks", help="the generated task suite")
     tsub = tasks.add_subparsers(dest="tasks_command", metavar="ACTION", required=True)

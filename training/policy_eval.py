@@ -54,6 +54,7 @@ class EvalConfig:
     dials: tuple[float, ...] = (0.0, 0.05, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0)
     seed: int = 0
     max_batch: int = 8
+    dtype: str | None = None  # None: the engine's default (float32 on CPU); "auto": measured
 
 
 TYPICAL_EPSILON, TYPICAL_DELTA = 0.09, 0.3  # Medusa's defaults, scaled by `typical_sweep`

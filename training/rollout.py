@@ -33,7 +33,11 @@ from verifier.head import position_stats
 
 
 def rollout_engine(cfg, head=None) -> EmbeddedEngine:
-    """The embedded engine training and evaluation roll out with (`cfg`: TrainConfig or EvalConfig)."""
+    """The embedded engine training and evaluation roll out with (`cfg`: TrainConfig or EvalConfig;
+    a `dtype` field, when present, picks the model dtype: "auto" measures it, cached)."""
+    from server.engine.embedded import default_cache_dir
+
+    dtype = getattr(cfg, "dtype", None)
     return EmbeddedEngine(
         EmbeddedEngineConfig(
             cfg.target_path,
@@ -43,6 +47,8 @@ def rollout_engine(cfg, head=None) -> EmbeddedEngine:
             max_context=1024,
             served_name=cfg.pair_name,
             head=head,
+            dtype=dtype,
+            cache_dir=default_cache_dir() if dtype == "auto" else None,
         )
     )
 

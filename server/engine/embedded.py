@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from server.engine.dtype_choice import DTYPES, choose_dtype
 from server.engine.protocol import (
     EngineError,
     EngineInfo,
@@ -40,7 +41,15 @@ from server.engine.scheduler import Scheduler
 from server.engine.step import Models, WeightHead
 from verifier.dial import DEFAULT_AUTO_DIAL, DialError
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def default_cache_dir() -> Path:
+    """Where measured cost models and dtype choices are kept (`DIALSPEC_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/dialspec`, else `~/.cache/dialspec`)."""
+    import os
+
+    if os.environ.get("DIALSPEC_CACHE_DIR"):
+        return Path(os.environ["DIALSPEC_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dialspec"
 
 
 def default_pair_paths() -> tuple[Path, Path, str]:
@@ -55,14 +64,17 @@ def default_pair_paths() -> tuple[Path, Path, str]:
 class EmbeddedEngineConfig:
     target_path: str | Path | None = None  # None = the shipped embedded pair
     draft_path: str | Path | None = None
-    num_draft: int = 5  # default N
+    num_draft: int | None = None  # default N; None = goodput-optimal per row and round (0..max_num_draft)
     max_batch: int = 8
     max_context: int = 2048
     device: str = "cpu"
-    dtype: str | torch.dtype | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    # None: float32 on CPU, bfloat16 on CUDA; "auto": measured on CPU (dtype_choice.py), bf16 on CUDA
+    dtype: str | torch.dtype | None = None
     served_name: str | None = None  # default: the target directory's name
     head: WeightHead | str | Path | None = None  # a callable, or a directory saved by head_store
-    max_num_draft: int = 8  # largest per-request N (cache slack is sized by it)
+    max_num_draft: int = 8  # largest N, per request or adaptive (cache slack is sized by it)
+    profile_budget_s: float = 3.0  # the start-up cost profile's time budget (cost_model.py)
+    cache_dir: str | Path | None = None  # cost models and dtype choices; None = not cached
     max_waiting: int = 256  # queue bound; beyond it requests get EngineError 'capacity'
     # Intra-op CPU threads of the scheduler thread (OpenMP settings are per thread, so callers'
     # threads keep theirs). None = auto: 1 for small targets (< 50M parameters),
@@ -78,12 +90,35 @@ class EmbeddedEngineConfig:
             self.served_name = self.served_name or name
         self.target_path, self.draft_path = Path(self.target_path), Path(self.draft_path)
         self.served_name = self.served_name or self.target_path.name
-        self.max_num_draft = max(self.max_num_draft, self.num_draft)
-        if isinstance(self.dtype, str):
-            self.dtype = _DTYPES[self.dtype]
+        self.max_num_draft = max(self.max_num_draft, self.num_draft or 0)
+        if isinstance(self.dtype, str) and self.dtype != "auto":
+            self.dtype = DTYPES[self.dtype]
         if self.dtype is None:
             self.dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return self
+
+
+def _num_params(path: Path) -> int:
+    from server.engine.llama import ModelArgs
+
+    a = ModelArgs.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+    per_layer = a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+    per_layer += a.num_heads * a.head_dim * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
+    return a.num_layers * per_layer + a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
+
+
+@contextlib.contextmanager
+def _intra_op_threads(threads: int | None):
+    """Run the block with `threads` intra-op threads on this thread (restored after)."""
+    if not threads:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 class EmbeddedEngine:
@@ -107,10 +142,11 @@ class EmbeddedEngine:
             model=config.served_name,
             max_context=config.max_context,
             max_batch=config.max_batch,
-            num_draft=config.num_draft,
+            num_draft=config.num_draft or config.max_num_draft,
             has_head=config.head is not None,
             backend="embedded",
             auto_dial=getattr(head_config, "default_dial", DEFAULT_AUTO_DIAL),
+            adaptive_draft=config.num_draft is None,
             max_num_draft=config.max_num_draft,
             vocab_size=self.vocab_size,
             max_token_bytes=max_token_bytes(self.tokenizer),
@@ -121,22 +157,34 @@ class EmbeddedEngine:
 
     # -- lifecycle -------------------------------------------------------------------------
     def load_models(self) -> Models:
+        """Load the pair (in the configured or measured dtype), its caches, and the measured cost
+        model the draft-length planner works from. Runs with the scheduler thread's CPU threads."""
+        c = self.config
+        device = torch.device(c.device)
+        threads = c.num_threads
+        if device.type == "cpu" and threads is None:
+            threads = 1 if _num_params(c.target_path) < 50_000_000 else None
+        with _intra_op_threads(threads):
+            return self._load_models(device, threads)
+
+    def _load_models(self, device: torch.device, threads: int | None) -> Models:
+        from server.engine.cost_model import load_or_profile
+        from server.engine.draft_length import DraftPlanner
         from server.engine.llama import load_model
 
         c = self.config
-        device = torch.device(c.device)
+        cache_dir = Path(c.cache_dir) if c.cache_dir is not None else None
+        if c.dtype == "auto":
+            c.dtype, why = choose_dtype(c.target_path, c.draft_path, device, c.max_batch, cache_dir)
+            self.info.runtime["dtype_choice"] = why
         target = load_model(c.target_path, device, c.dtype)
         draft = load_model(c.draft_path, device, c.dtype)
         if target.args.vocab_size != draft.args.vocab_size:
             raise ValueError(
                 f"pair vocabularies differ ({target.args.vocab_size} vs {draft.args.vocab_size})"
             )
-        threads = c.num_threads
-        if device.type == "cpu" and threads is None:
-            params = sum(p.numel() for p in target.parameters())
-            threads = 1 if params < 50_000_000 else None
         max_seq = c.max_context + c.max_num_draft + 2  # speculative writes run ahead of the text
-        return Models(
+        models = Models(
             target=target,
             draft=draft,
             target_cache=target.new_cache(c.max_batch, max_seq),
@@ -145,6 +193,18 @@ class EmbeddedEngine:
             head=self.head.to(device).eval() if isinstance(self.head, torch.nn.Module) else self.head,
             num_threads=threads,
         )
+        cost = load_or_profile(models, c.max_batch, c.max_num_draft, c.profile_budget_s, cache_dir)
+        models.planner = DraftPlanner(cost, c.max_num_draft, max_batch=c.max_batch)
+        self.info.runtime.update(dtype=str(c.dtype).removeprefix("torch."), device=str(device))
+        self.info.runtime["draft_length"] = "adaptive" if c.num_draft is None else c.num_draft
+        return models
+
+    def cost_model_summary(self) -> dict | None:
+        """The live cost model at batch 1 and max_batch (ms per stage), or None before start."""
+        if self.scheduler is None or self.scheduler.models.planner is None:
+            return None
+        sizes = sorted({1, self.config.max_batch})
+        return self.scheduler.models.planner.cost.summary(sizes, self.config.max_num_draft)
 
     def swap_head(self, head: WeightHead | None) -> None:
         """Serve with another weight head from the next round on: evaluation compares several
@@ -172,6 +232,7 @@ class EmbeddedEngine:
         if self.scheduler is None:
             self._stopping = False
             self.scheduler = Scheduler(self.load_models(), self.config.max_batch, probe=self._probe_row)
+            self.info.runtime["cost_model"] = self.cost_model_summary()
             self.scheduler.start()
 
     async def start(self) -> None:
@@ -182,6 +243,15 @@ class EmbeddedEngine:
             self._stopping = True
             sched, self.scheduler = self.scheduler, None
             await asyncio.to_thread(sched.stop, EngineError("engine stopped", "unavailable"))
+            self._save_cost_model(sched)
+
+    def _save_cost_model(self, sched: Scheduler) -> None:
+        """Keep what the rounds taught the cost model for the next start (when caching)."""
+        if self.config.cache_dir is None or sched.models.planner is None:
+            return
+        from server.engine.cost_model import cache_key, cache_path, save
+
+        save(sched.models.planner.cost, cache_path(Path(self.config.cache_dir), cache_key(sched.models)))
 
     @property
     def fault(self) -> BaseException | None:
@@ -202,12 +272,13 @@ class EmbeddedEngine:
         return None
 
     def _probe_row(self) -> Row:
-        """A tiny greedy request with the engine's default N: if this fails, the engine is broken."""
+        """A tiny greedy request with the engine's default (or largest) N, fixed: if this fails, the
+        engine is broken."""
         token = min(self.eos_ids, default=0)
         request = GenerationRequest(
             "engine-probe", (token, token), SamplingOptions(temperature=0, max_tokens=1)
         )
-        return Row(request, lambda _item: None, self.config.num_draft, self.tokenizer, self.eos_ids)
+        return Row(request, lambda _item: None, self.info.num_draft, self.tokenizer, self.eos_ids)
 
     def load(self) -> dict[str, int]:
         return self.scheduler.load() if self.scheduler else {"running": 0, "waiting": 0}
@@ -263,9 +334,10 @@ class EmbeddedEngine:
                 bad = str(exc)
         if bad:
             raise EngineError(bad, "invalid_request")
-        n = 0 if v.mode == "autoregressive" else (v.num_draft or c.num_draft)
+        fixed = 0 if v.mode == "autoregressive" else (v.num_draft or c.num_draft)
         try:
-            return Row(replace(request, sampling=s), sink, n, self.tokenizer, self.eos_ids)
+            request = replace(request, sampling=s)
+            return Row(request, sink, fixed or 0, self.tokenizer, self.eos_ids, adaptive=fixed is None)
         except ValueError as exc:  # e.g. Policy parameter ranges
             raise EngineError(str(exc), "invalid_request") from exc
 

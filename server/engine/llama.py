@@ -12,12 +12,28 @@ Terms
 
 Supported: RMSNorm, RoPE (HF `rope_scaling`/`rope_parameters` types default and llama3), GQA,
 SwiGLU, q/k/v bias (Qwen2 or `attention_bias`), tied embeddings. Weights load from `*.safetensors`.
+
+Small-M matmuls on CPU (`linear`): MKL's float32 GEMM for `x [M, K] @ W.T` with 2 <= M <= 16 rows
+runs far below the bandwidth bound on the AVX2 hosts measured here (a [17920, 1536] projection: 9 ms
+at M = 1, 26-31 ms at M = 3..8), while the same product taken as `W @ x.T` streams W once (8-13 ms).
+That is exactly the shape of a verify forward (T = N+1 positions) and of a small decode batch, so
+`linear` takes the transposed product for 2..16 rows, for weights large enough to matter (>= 4M elements;
+smaller ones measured no better). Other dtypes and devices keep `F.linear` (bf16 on AVX2 is
+compute-bound either way; CUDA has its own kernels).
+
+Attention on CUDA leaves out cuDNN's SDPA backend (`attention_backends`): PyTorch prefers it on
+Hopper for masked attention, and it builds an execution plan for every new (rows, T, keys) shape.
+A decode engine's key length grows by one every step, so nearly every masked forward paid a plan
+build: measured on an H100 (docs/gpu-results.md, 2026-11-23), `_cudnn_attention_forward` took
+1-6 ms of host time per call, and at batch 32 the dial's standard tier ran at 1,143 tok/s with it
+and 3,430 tok/s without it (flash / memory-efficient attention have no per-shape plans).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +41,36 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from server.engine.kv_cache import KVCache
+
+_SMALL_M = (2, 16)  # rows for which `linear` takes the transposed product (see the module doc)
+_LARGE_WEIGHT = 1 << 22  # elements; smaller weights gain nothing measurable
+# SDPA backends on CUDA: all but cuDNN's, which plans per shape (see the module doc).
+_CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends(device: torch.device):
+    """The context a forward's attention runs in: CUDA without cuDNN attention, else unchanged."""
+    return sdpa_kernel(_CUDA_ATTENTION) if device.type == "cuda" else nullcontext()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, `x [..., K]` -> `[..., N]`, as `(W @ x.T).T` for float32 CPU
+    products with 2..16 rows and a large weight (see the module doc); equal up to rounding."""
+    rows = x.numel() // x.shape[-1]
+    if (
+        _SMALL_M[0] <= rows <= _SMALL_M[1]
+        and weight.numel() >= _LARGE_WEIGHT
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+    ):
+        out = (weight @ x.reshape(rows, -1).t()).t().contiguous()  # [M, N]
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 @dataclass(frozen=True)
@@ -150,7 +194,7 @@ class Block(nn.Module):
     def forward(self, x, freqs_cis, cache: KVCache, slots, positions, mask, seq_len, contiguous, single):
         r, t, _ = x.shape  # x [R, T, H]
         a = self.args
-        qkv = F.linear(self.attn_norm(x), self.wqkv.weight, self.wqkv.bias)  # [R, T, Hq*D + 2*Hkv*D]
+        qkv = linear(self.attn_norm(x), self.wqkv.weight, self.wqkv.bias)  # [R, T, Hq*D + 2*Hkv*D]
         # RoPE on q and k in one pass: they are adjacent in the fused projection.
         qk = qkv[..., : self.q_size + self.kv_size].view(r, t, a.num_heads + a.num_kv_heads, a.head_dim)
         qk = apply_rope(qk, freqs_cis)  # [R, T, Hq+Hkv, D]
@@ -162,9 +206,9 @@ class Block(nn.Module):
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads
         )  # [R, Hq, T, D]
-        x = x + F.linear(out.transpose(1, 2).reshape(r, t, self.q_size), self.wo.weight)
-        gate, up = F.linear(self.mlp_norm(x), self.w13.weight).chunk(2, dim=-1)  # [R, T, I] each
-        return x + F.linear(F.silu(gate) * up, self.w2.weight)
+        x = x + linear(out.transpose(1, 2).reshape(r, t, self.q_size), self.wo.weight)
+        gate, up = linear(self.mlp_norm(x), self.w13.weight).chunk(2, dim=-1)  # [R, T, I] each
+        return x + linear(F.silu(gate) * up, self.w2.weight)
 
 
 class Transformer(nn.Module):
@@ -209,13 +253,14 @@ class Transformer(nn.Module):
         x = F.embedding(tokens, self.embed.weight)  # [R, T, H]
         if contiguous is None:
             contiguous = bool((slots == torch.arange(r, device=slots.device)).all())
-        for layer in self.layers:
-            x = layer.forward(x, freqs_cis, cache, slots, positions, mask, seq_len, contiguous, single)
+        with attention_backends(tokens.device):
+            for layer in self.layers:
+                x = layer.forward(x, freqs_cis, cache, slots, positions, mask, seq_len, contiguous, single)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[..., H]` -> `[..., V]` (float32 for the sampling transforms)."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, self.lm_head.weight).float()
 
     def new_cache(self, max_batch: int, max_seq: int) -> KVCache:
         from server.engine.kv_cache import CacheShape

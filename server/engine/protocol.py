@@ -25,7 +25,8 @@ from verifier.dial import DEFAULT_AUTO_DIAL, PolicyKind, Verification
 VerifyOptions = Verification
 FinishReason = Literal["stop", "length", "abort"]
 # Where an emitted token came from: an accepted draft, the correction drawn at the first rejection,
-# the bonus drawn after N accepted drafts, or the target alone (autoregressive, N = 0).
+# the bonus drawn from ν after N accepted drafts (also at N = 0 when w < 1), or the target alone
+# (p at N = 0: autoregressive requests, w = 1 rows in rounds without drafts).
 TokenSource = Literal["draft", "corrected", "bonus", "target"]
 
 
@@ -63,7 +64,10 @@ class SamplingOptions:
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None  # same seed + same request -> same output, batched or alone
+    # Same seed + same request -> same output, batched or alone, when N is fixed (a per-request
+    # num_draft, or an engine with a fixed N). With the adaptive draft length the output law is
+    # unchanged, but which coin lands where follows the rounds the planner chose (load, timing).
+    seed: int | None = None
     ignore_eos: bool = False  # keep going past EOS (benchmarks); explicit stop_token_ids still stop
 
 
@@ -151,8 +155,9 @@ class TokenTrace:
 
     `weight` is the ensemble w applied at the token's position (the static w, or the learned
     head's w_t): for a draft, the w its acceptance test used; for a correction, the w of the test
-    that rejected the draft there. None where no w applies: bonus and target tokens are drawn from
-    p, and baseline policies (lossy, cascade, typical) have no w.
+    that rejected the draft there; for a bonus, the w of ν it was drawn from (after N accepted
+    drafts, or at N = 0 for a row with w < 1). None where no w applies: target tokens are drawn
+    from p alone, and baseline policies (lossy, cascade, typical) have no w.
     """
 
     source: TokenSource
@@ -180,10 +185,14 @@ class EngineInfo:
     model: str  # the pair's served name
     max_context: int  # prompt + completion tokens
     max_batch: int
-    num_draft: int  # default N
+    num_draft: int  # default N (the largest N when it is chosen per round)
     has_head: bool  # learned w_t available ("auto" quality)
     backend: str  # "embedded" or "sglang"
     auto_dial: float = DEFAULT_AUTO_DIAL  # the loaded head's default dial point (quality "auto")
+    adaptive_draft: bool = False  # N is chosen per request and round from measured costs
+    # Filled when the engine starts (JSON-ready, for /ready or a debug endpoint): the dtype and
+    # how it was chosen, the draft-length mode, the measured cost model (ms per stage).
+    runtime: dict = field(default_factory=dict, compare=False, hash=False)
     # Optional limits a gateway publishes and checks before the engine sees a request:
     max_num_draft: int | None = None  # largest per-request N; None = num_draft (N is fixed)
     vocab_size: int | None = None  # token ids lie in [0, vocab_size); None = unknown

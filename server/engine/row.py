@@ -4,9 +4,12 @@ Terms
     seq     prompt + generated token ids so far.
     tlen    target cache length: positions of `seq` whose keys/values the target holds. Always
             `len(seq) - 1` between steps: the last token is the *pending* input of the next verify.
-    dlen    draft cache length; between steps `len(seq) - dlen` is 1, or 2 when every draft of the
-            last round was accepted (the draft never consumed its own last proposal).
-    num_draft  N for this row; 0 means autoregressive (target-only) decoding.
+    dlen    draft cache length; between steps `len(seq) - dlen` (the draft's lag) is 1, 2 when
+            every draft of the last round was accepted without a bonus step (the draft had not
+            consumed its own last proposal), or more after rounds without drafts.
+    num_draft  N for this row's next round; 0 means no drafts.
+    adaptive   N is chosen each round by the draft-length policy (`draft_length.py`); otherwise
+            `num_draft` is fixed (a per-request or engine-wide N, or 0 for autoregressive rows).
     sink    callable receiving each `GenerationChunk`, or an `Exception` that ends the stream.
 """
 
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from server.engine.detokenize import IncrementalDetokenizer, StopStringFilter
+from server.engine.draft_length import AcceptanceEstimate
 from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats, TokenTrace
 from verifier import Policy, PolicyKind
 
@@ -39,6 +43,8 @@ class Row:
     cancelled: bool = False
     done: bool = False
     stats: SpecStats = field(default_factory=SpecStats)
+    adaptive: bool = False
+    estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
 
     def __post_init__(self):
         s, v = self.request.sampling, self.request.verify
@@ -60,20 +66,49 @@ class Row:
         self.detok = IncrementalDetokenizer(self.tokenizer, self.seq)
         self.stopper = StopStringFilter(s.stop)
         self.stats.accepted_per_position = [0] * self.num_draft
-        self.last_round: tuple[int, list[float]] = (0, [])  # (k, w per position) of the latest round
+        self.speculative = self.adaptive or self.num_draft > 0  # the draft may run for this row
+        # The bonus (and at N = 0 the token) is drawn from ν = w·p + (1−w)·q, which needs q.
+        self.needs_q = (
+            self.speculative
+            and self.policy.kind == PolicyKind.ENSEMBLE
+            and (self.learned or self.weight < 1.0)
+        )
+        # Prefill the draft with the prompt only if it will surely run; adaptive w = 1 rows feed it
+        # when they first draft (a row that never drafts never pays for the draft's prefill).
+        self.eager_draft = self.needs_q or (self.num_draft > 0 and not self.adaptive)
+        # The latest round as `_provenance` reads it: (k, w per position, N, bonus drawn from ν).
+        self.last_round: tuple[int, list[float], int, bool] = (0, [], 0, False)
 
     def uniforms(self, count: int) -> torch.Tensor:
         """Next `count` uniforms `[count]` of this row's stream (drawn on CPU for determinism)."""
         return torch.rand(count, generator=self.generator)
 
-    def record_round(self, num_accepted: int, weights: list[float]) -> None:
-        self.last_round = (num_accepted, weights)
+    @property
+    def draft_lag(self) -> int:
+        return len(self.seq) - self.dlen if self.speculative else 0
+
+    @property
+    def tokens_left(self) -> int:
+        return self.request.sampling.max_tokens - self.completion
+
+    @property
+    def prior_weight(self) -> float:
+        """w for the acceptance prior: the learned rows' mean w_t so far, else the static w."""
+        mean = self.stats.mean_weight if self.learned else None
+        return self.weight if mean is None else mean
+
+    def record_round(self, num_accepted: int, weights: list[float], n: int, bonus_from_nu=False) -> None:
+        """A round of N = `n` drafts: k accepted, `weights` the w per tested position (plus the
+        bonus's w when `bonus_from_nu`: the bonus, or at N = 0 the token, was drawn from ν)."""
+        self.last_round = (num_accepted, weights, n, bonus_from_nu)
         st = self.stats
         st.verify_steps += 1
-        if self.num_draft:
+        if n:
             st.drafts += 1
-            st.draft_tokens += self.num_draft
+            st.draft_tokens += n
             st.accepted_tokens += num_accepted
+            if len(st.accepted_per_position) < n:
+                st.accepted_per_position += [0] * (n - len(st.accepted_per_position))
             for i in range(num_accepted):
                 st.accepted_per_position[i] += 1
             st.weight_sum += float(sum(weights))
@@ -111,14 +146,13 @@ class Row:
             self.done = True
 
     def _provenance(self, pieces: list[str]) -> list[TokenTrace]:
-        """Token i of a round: a draft while i < k, then a correction (k < N) or the bonus (k = N);
-        with N = 0 the target's own token."""
-        k, weights = self.last_round
-        n = self.num_draft
+        """Token i of a round: a draft while i < k, then a correction (k < N) or the bonus (k = N).
+        At N = 0 the token is the target's own (drawn from p), or a bonus when drawn from ν."""
+        k, weights, n, from_nu = self.last_round
         ensemble = self.policy.kind == PolicyKind.ENSEMBLE
         out = []
         for i, text in enumerate(pieces):
-            if n == 0:
+            if n == 0 and not from_nu:
                 source = "target"
             elif i < k:
                 source = "draft"
@@ -126,8 +160,8 @@ class Row:
                 source = "corrected" if k < n else "bonus"
             if not ensemble or source == "target":
                 weight = None
-            elif source == "bonus":  # drawn from ν at N+1 (step.bonus); w = 1 rows keep p = ν
-                weight = float(weights[i]) if i < len(weights) else self.weight
+            elif source == "bonus":  # from ν (step.bonus) with its w; w = 1 rows keep p = ν
+                weight = float(weights[i]) if from_nu else self.weight
             else:
                 weight = float(weights[i])
             out.append(TokenTrace(source, text, weight, i, n))

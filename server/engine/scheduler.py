@@ -8,9 +8,13 @@ Terms
               (see `step.py`).
               Rows join and leave only between steps, so a step's tensors never change shape.
 
-Grouping: rows with different N (including N = 0, autoregressive) run as separate rounds within
-the same step. Mixing them into one target forward would pad every autoregressive row to N+1
-positions; separate rounds cost one extra (cheap, small-batch) forward instead.
+Draft length: before the rounds of a step, the draft-length planner (`draft_length.py`) sets N
+for the adaptive rows from their acceptance estimates and the measured cost model at this step's
+batch; fixed rows (a per-request num_draft, autoregressive requests) keep theirs.
+
+Grouping: rows with different N (including N = 0) run as separate rounds within the same step.
+Mixing them into one target forward would pad every N = 0 row to N+1 positions; separate rounds
+cost one extra forward instead, which the planner prices in when it picks the Ns.
 
 Slots are handed out lowest-first so that a busy batch usually occupies `0..R-1` and the KV cache
 read is a view rather than a gather.
@@ -39,8 +43,9 @@ from collections.abc import Callable
 import torch
 
 from server.engine.protocol import EngineError
+from server.engine.round_timers import StepTimers
 from server.engine.row import Row
-from server.engine.step import Models, StepTimers, prefill, run_round
+from server.engine.step import Models, prefill, run_round
 
 log = logging.getLogger("dialspec.engine")
 
@@ -161,13 +166,18 @@ class Scheduler:
                 self._retire(row)
         new = self._admit()
         if new:
-            self._prefill(new)
+            with self.timers.phase("prefill", self.models.device):
+                self._prefill(new)
+        live = [row for row in self._running if not row.cancelled and not row.done]
+        planner = self.models.planner
+        if planner is not None:
+            with self.timers.phase("plan", self.models.device):
+                planner.assign(live)
         groups: dict[int, list[Row]] = {}
-        for row in self._running:
-            if not row.cancelled and not row.done:
-                groups.setdefault(row.num_draft, []).append(row)
+        for row in live:
+            groups.setdefault(row.num_draft, []).append(row)
         for n, rows in sorted(groups.items()):
-            self._round(rows, n)
+            self._round(rows, n, planner.predict(rows, n) if planner is not None else None)
         for row in list(self._running):
             if row.cancelled or row.done:
                 self._retire(row)
@@ -189,10 +199,14 @@ class Scheduler:
                 failed.append((row, exc))
         self._isolated(failed, survivors=len(rows) - len(failed))
 
-    def _round(self, rows: list[Row], n: int) -> None:
+    def _round(self, rows: list[Row], n: int, predicted: tuple[float, float] | None = None) -> None:
+        """`run_round`, isolating faults (module doc); `predicted`: the planner's (live, profile)
+        seconds for this round, compared with the measured time when the round succeeds."""
         marks = [(row.stats.verify_steps, row.generator.get_state()) for row in rows]
         try:
-            run_round(self.models, rows, n, self.timers)
+            seconds = run_round(self.models, rows, n, self.timers)
+            if predicted is not None:
+                self.timers.record_prediction(seconds, *predicted)
             return
         except Exception as exc:
             error = exc

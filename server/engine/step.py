@@ -1,83 +1,46 @@
-"""One batched decoding round for rows that share a draft length N, as six small stages:
+"""One batched decoding round for rows that share a draft length N, as small stages:
 
     batch  = RoundBatch.of(rows, n)          per-row tensors: slots, sampling params, greedy, coins
     drafts = draft(models, batch)            N draft forwards: x [R, N], q [R, N, V], h_draft [R, N, Hd]
     scores = score(models, batch, drafts)    ONE target forward over [pending, x_1..x_N]:
                                              p [R, N+1, V], h_target [R, N+1, Ht]
     w      = ensemble_weights(...)           static w per row, or the learned head's w_t [R, N]
-    result = check(batch, drafts, scores, w) one `verifier.verify` call for the whole group
-    fed    = bonus(...)                      rows with ν ≠ p that accepted all N: one more draft
-                                             step gives q at N+1; the bonus is redrawn from ν
-    advance(batch, result, w, fed)           each row appends its k + 1 tokens; caches roll back
+    out    = check(batch, drafts, scores, w) one `verifier.verify` call for the whole group, read
+                                             back to the host once (`Outcome`)
+    bonus(models, batch, drafts, scores, out)  rows with w < 1 that accepted all N drafts draw
+                                             their bonus from ν: one more draft step gives q there
+    advance(batch, out, w)                   each row appends its k + 1 tokens; caches roll back
                                              by length (stale entries are masked, then overwritten)
 
-Autoregressive rows are the N = 0 case of the same path: no draft forwards, a 1-position target
-forward, and `verify` with N = 0 draws the token from p with the row's first verify coin.
-The draft length is decided before a round (the scheduler groups rows by N): that is where
-cost-aware draft lengths plug in; a round only ever sees one N.
+N = 0 is the same path: no draft forwards, a 1-position target forward, and `verify` with N = 0
+draws the token from p with the row's first verify coin (rows with w < 1 then take the draft's
+one step in `bonus` and draw from ν instead). The draft length is decided before a round by the
+scheduler (`draft_length.DraftPlanner`); a round only ever sees one N. Every round emits tokens
+distributed exactly as ν, whatever its N.
 
 Terms
-    pending   the tokens a cache has not consumed yet: 1 for the target (the last token), 1 or 2
-              for the draft (2 when every draft of the last round was accepted without a bonus
-              step, see row.py).
+    pending   the tokens a cache has not consumed yet: 1 for the target (the last token); for the
+              draft 1, 2 when every draft of the last round was accepted without a bonus step, or
+              more after rounds without drafts (its `lag`; fed in a catch-up forward first).
     h_draft   `[R, N, Hd]` final-norm draft states at the positions that produced each draft token.
     h_target  `[R, N+1, Ht]` final-norm target states at the positions scoring each draft token.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from server.engine.kv_cache import KVCache
 from server.engine.llama import Transformer
+from server.engine.round_timers import StepTimers
 from server.engine.row import Row
-from verifier import PolicyBatch, PolicyKind, VerifyResult, logits_to_probs, pick_tokens, verify
+from verifier import PolicyBatch, PolicyKind, logits_to_probs, pick_tokens, tv_estimates, verify
 from verifier.head import position_stats, wants_stats
 
 WeightHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-# phase name -> the counter it bumps (besides `<phase>_s`)
-_COUNTERS = {
-    "draft": "draft_forwards",
-    "verify_forward": "verify_forwards",
-    "target_forward": "target_forwards",
-    "round": "rounds",
-}
-
-
-@dataclass
-class StepTimers:
-    """Wall-clock seconds per phase (summed over rounds) — the benchmark's cost-model inputs."""
-
-    draft_s: float = 0.0  # N draft forwards with their sampling
-    draft_forwards: int = 0
-    verify_forward_s: float = 0.0  # target forwards over N+1 positions (N >= 1), with p
-    verify_forwards: int = 0
-    target_forward_s: float = 0.0  # target forwards over 1 position (autoregressive rows), with p
-    target_forwards: int = 0
-    verify_call_s: float = 0.0  # weights (head), verifier.verify, reading the results back
-    round_s: float = 0.0
-    rounds: int = 0
-    per_n: dict = field(default_factory=dict)
-
-    def reset(self) -> None:
-        self.__init__()
-
-    @contextlib.contextmanager
-    def phase(self, name: str, device: torch.device, count: int = 1):
-        """Time a phase; on CUDA the device is synchronised first so kernels count where they run."""
-        t0 = time.perf_counter()
-        yield
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        setattr(self, f"{name}_s", getattr(self, f"{name}_s") + time.perf_counter() - t0)
-        if name in _COUNTERS:
-            setattr(self, _COUNTERS[name], getattr(self, _COUNTERS[name]) + count)
 
 
 @dataclass
@@ -89,6 +52,7 @@ class Models:
     device: torch.device
     head: WeightHead | None = None
     num_threads: int | None = None  # intra-op threads for the thread running the model math
+    planner: object | None = None  # `draft_length.DraftPlanner`: cost model + acceptance estimates
 
 
 def _param(rows: list[Row], name: str, device, dtype=torch.float32):
@@ -105,7 +69,7 @@ class RoundBatch:
     """The per-row inputs of one round, built once."""
 
     rows: list[Row]
-    n: int  # draft length, 0 = autoregressive
+    n: int  # draft length, 0 = no drafts
     device: torch.device
     slots: torch.Tensor  # [R] cache slots
     contiguous: bool  # slots == arange(R): cache reads are views
@@ -115,6 +79,7 @@ class RoundBatch:
     top_p: float | torch.Tensor
     u_draft: torch.Tensor  # [R, N] the rows' coins for sampling drafts
     u_verify: torch.Tensor  # [R, N+1] their coins for the acceptance tests and the final draw
+    caught_up: bool = False  # a catch-up draft forward ran (its draft time is not a step's)
 
     @classmethod
     def of(cls, rows: list[Row], n: int, device: torch.device) -> RoundBatch:
@@ -130,6 +95,22 @@ class RoundBatch:
             top_k=_param(rows, "top_k", device, torch.long),
             top_p=_param(rows, "top_p", device),
             u_draft=coins[:, :n], u_verify=coins[:, n:],
+        )  # fmt: skip
+
+    def subset(self, idx: list[int]) -> RoundBatch:
+        """The same round restricted to rows `idx` (same coins: nothing is drawn again)."""
+        if idx == list(range(self.size)):
+            return self
+        at = torch.tensor(idx, device=self.device)
+
+        def pick(v):
+            return v[at] if isinstance(v, torch.Tensor) else v
+
+        rows = [self.rows[i] for i in idx]
+        return replace(
+            self, rows=rows, slots=self.slots[at], contiguous=[r.slot for r in rows] == list(range(len(idx))),
+            greedy=pick(self.greedy), temperature=pick(self.temperature), top_k=pick(self.top_k),
+            top_p=pick(self.top_p), u_draft=self.u_draft[at], u_verify=self.u_verify[at],
         )  # fmt: skip
 
     @property
@@ -157,20 +138,63 @@ class Scores:
     hidden: torch.Tensor  # [R, N+1, Ht]
 
 
-def draft(models: Models, b: RoundBatch) -> Drafts:
-    """N batched draft forwards. The first feeds each row's pending tokens (1 or 2, right-padded
-    to the longest; each row reads its state at its own last real position); the rest feed one."""
-    r, n = b.size, b.n
-    vocab = models.draft.args.vocab_size
-    if n == 0:
-        empty = torch.zeros(r, 0, dtype=torch.long, device=b.device)  # [R, 0]
-        return Drafts(empty, torch.zeros(r, 0, vocab, device=b.device), None)
+@dataclass
+class Outcome:
+    """A round's verdict on the host (one device read): per row k, its N+1 token slots (drafts,
+    then the correction or bonus, then padding), acceptance probabilities and TV estimates of
+    its tested positions (drafts up to and including the first rejection)."""
+
+    num_accepted: list[int]
+    tokens: list[list[int]]
+    accept_probs: list[list[float]]
+    tv: list[list[float]]  # empty for greedy rows (their drafts are argmaxes, not draws from q)
+    bonus_rows: list[int]  # rows that took a bonus draft step (see `bonus`)
+    bonus_weights: list[float] = field(default_factory=list)  # their w at the bonus position
+
+
+def _feed_pending(models: Models, b: RoundBatch) -> torch.Tensor:
+    """Feed each row's pending tokens to the draft; its state at the last one `[R, Hd]`.
+
+    Rows 1 or 2 behind share one right-padded forward (each reads its own last real position);
+    rows further behind first catch up on all but their last pending token, so a long lag never
+    pads the others."""
     pending = [row.seq[row.dlen :] for row in b.rows]
+    lagging = [i for i, p in enumerate(pending) if len(p) > 2]
+    for group in _catch_up_groups(b, pending, lagging, models.draft_cache.shape.max_seq):
+        sub = b.subset(group)
+        width = max(len(pending[i]) - 1 for i in group)
+        tokens = sub.column([pending[i][:-1] + [0] * (width - len(pending[i]) + 1) for i in group])
+        models.draft(tokens, sub.slots, sub.column([b.rows[i].dlen for i in group]), models.draft_cache)
+        for i in group:
+            pending[i] = pending[i][-1:]
+        b.caught_up = True
     width = max(len(p) for p in pending)
     tokens = b.column([p + [p[-1]] * (width - len(p)) for p in pending])  # [R, T0]
-    starts = b.column([row.dlen for row in b.rows])  # [R]
+    starts = b.column([len(row.seq) - len(p) for row, p in zip(b.rows, pending, strict=True)])  # [R]
     hidden = models.draft(tokens, b.slots, starts, models.draft_cache, b.contiguous)  # [R, T0, Hd]
-    h = hidden[torch.arange(r, device=b.device), b.column([len(p) - 1 for p in pending])]  # [R, Hd]
+    return hidden[torch.arange(b.size, device=b.device), b.column([len(p) - 1 for p in pending])]
+
+
+def _catch_up_groups(b: RoundBatch, pending: list, lagging: list[int], max_seq: int) -> list[list[int]]:
+    """The lagging rows' catch-up forwards: one for all of them, padded on the right to the longest
+    lag, except rows whose padding would run past the cache's end (a row near `max_context` beside
+    one that never fed the draft, e.g. an adaptive w = 1 row drafting for the first time): each of
+    those gets a forward of its own. Padding keys are overwritten later, but writes past `max_seq`
+    are out of bounds (an IndexError on CPU, a device-side assert that kills the CUDA context)."""
+    if not lagging:
+        return []
+    width = max(len(pending[i]) - 1 for i in lagging)
+    together = [i for i in lagging if b.rows[i].dlen + width <= max_seq]  # the longest lag always fits
+    return [together] + [[i] for i in lagging if i not in together]
+
+
+def draft(models: Models, b: RoundBatch) -> Drafts:
+    """N batched draft forwards: the pending tokens first, then one proposal at a time."""
+    r, n = b.size, b.n
+    if n == 0:
+        empty = torch.zeros(r, 0, dtype=torch.long, device=b.device)  # [R, 0]
+        return Drafts(empty, torch.zeros(r, 0, models.draft.args.vocab_size, device=b.device), None)
+    h = _feed_pending(models, b)  # [R, Hd]
     base = b.column([len(row.seq) for row in b.rows])  # [R] position of draft token 1
     xs, qs, hs = [], [], []
     for i in range(n):
@@ -179,7 +203,7 @@ def draft(models: Models, b: RoundBatch) -> Drafts:
         xs.append(x)
         qs.append(q)
         hs.append(h)
-        if i < n - 1:  # the last proposal is never fed: its state would be rolled back or unused
+        if i < n - 1:  # the last proposal is fed only by `bonus`, for rows that need q after it
             h = models.draft(x.view(-1, 1), b.slots, base + i, models.draft_cache, b.contiguous)[:, 0]
     return Drafts(torch.stack(xs, 1), torch.stack(qs, 1), torch.stack(hs, 1))
 
@@ -191,19 +215,6 @@ def score(models: Models, b: RoundBatch, d: Drafts) -> Scores:
     inputs = torch.cat([last, d.tokens], dim=1)  # [R, N+1]
     hidden = models.target(inputs, b.slots, starts, models.target_cache, b.contiguous)  # [R, N+1, Ht]
     return Scores(b.probs(models.target.logits(hidden)), hidden)
-
-
-def ensemble_weights(models: Models, b: RoundBatch, d: Drafts, s: Scores):
-    """(w for `verify`, w per row and position as lists for the row stats).
-
-    Static rows pass their w as a float when the group agrees (verify broadcasts it), else `[R]`;
-    learned rows get the head's `[R, N]` w_t from their states and dial."""
-    r, n = b.size, b.n
-    if not any(row.learned for row in b.rows) or n == 0:
-        return _param(b.rows, "weight", b.device), [[row.weight] * n for row in b.rows]
-    static = b.column([row.weight for row in b.rows], torch.float32).view(-1, 1).expand(r, n)  # [R, N]
-    weights = _learned_weights(models, b, d.hidden, s.hidden[:, :n], s.probs[:, :n], d.probs, static)
-    return weights, weights.tolist()  # [R, N]
 
 
 def _learned_weights(models: Models, b: RoundBatch, h_draft, h_target, p, q, static) -> torch.Tensor:
@@ -223,74 +234,101 @@ def _learned_weights(models: Models, b: RoundBatch, h_draft, h_target, p, q, sta
     return weights
 
 
-def _needs_q(row: Row) -> bool:
-    """The row's bonus follows ν ≠ p: an ensemble row with a static w < 1 or a learned w_t."""
-    return row.policy.kind == PolicyKind.ENSEMBLE and (row.learned or row.weight < 1.0)
+def ensemble_weights(models: Models, b: RoundBatch, d: Drafts, s: Scores):
+    """(w for `verify`, w per row and position as lists for the row stats).
+
+    Static rows pass their w as a float when the group agrees (verify broadcasts it), else `[R]`;
+    learned rows get the head's `[R, N]` w_t from their states and dial."""
+    r, n = b.size, b.n
+    if not any(row.learned for row in b.rows) or n == 0:
+        return _param(b.rows, "weight", b.device), [[row.weight] * n for row in b.rows]
+    static = b.column([row.weight for row in b.rows], torch.float32).view(-1, 1).expand(r, n)  # [R, N]
+    weights = _learned_weights(models, b, d.hidden, s.hidden[:, :n], s.probs[:, :n], d.probs, static)
+    return weights, weights.tolist()  # [R, N]
 
 
-def bonus(models: Models, b: RoundBatch, d: Drafts, s: Scores, num_accepted: list[int], tokens, per_position):
-    """Rows whose N drafts were all accepted and whose ν ≠ p redraw their bonus (token N+1) from ν,
-    with the same coin `verify` used for the p draw: one more draft step (feeding x_N) gives q there.
-    Without it the bonus would follow p, and quality 0 would not be pure draft output. w = 1 rows
-    keep the p draw (ν = p, bit-identical). Edits `tokens` and appends the bonus w to
-    `per_position` for the rows it redraws, and returns them (their draft cache now holds x_N)."""
+def check(b: RoundBatch, d: Drafts, s: Scores, weights) -> Outcome:
+    """`verifier.verify` for the whole group (baseline policies only when some row asks), read
+    back to the host in one transfer with the TV estimates the draft-length policy learns from."""
     n = b.n
-    redraw = [i for i, row in enumerate(b.rows) if n and num_accepted[i] == n and _needs_q(row)]
-    if not redraw:
-        return []
-    # The whole group steps (one batched forward); rows not redrawn ignore the result, and the
-    # KV they wrote past their kept length is overwritten before it is ever read.
-    x_last = d.tokens[:, n - 1 :]  # [R, 1]
-    starts = b.column([len(row.seq) + n - 1 for row in b.rows])  # [R] position of x_N
-    h = models.draft(x_last, b.slots, starts, models.draft_cache, b.contiguous)  # [R, 1, Hd]
-    q = b.probs(models.draft.logits(h[:, 0]))  # [R, V]
-    static = b.column([row.weight for row in b.rows], torch.float32).view(-1, 1)  # [R, 1]
-    p = s.probs[:, n : n + 1]  # [R, 1, V]
-    w = _learned_weights(models, b, h, s.hidden[:, n : n + 1], p, q.unsqueeze(1), static)  # [R, 1]
-    r, vocab = q.shape
-    result = verify(
-        p, q.new_zeros(r, 0, vocab), d.tokens.new_zeros(r, 0), w, bonus_probs=q, greedy=b.greedy,
-        uniforms=b.u_verify[:, n : n + 1], validate=False,
-    )  # fmt: skip
-    drawn, w_list = result.tokens[:, 0].tolist(), w[:, 0].tolist()
-    for i in redraw:
-        tokens[i][n] = drawn[i]
-        per_position[i] = [*per_position[i], w_list[i]]
-    return redraw
-
-
-def check(b: RoundBatch, d: Drafts, s: Scores, weights) -> VerifyResult:
-    """`verifier.verify` for the whole group (baseline policies only when some row asks)."""
     policy = None
-    if any(row.policy.kind != PolicyKind.ENSEMBLE for row in b.rows) and b.n:
+    if any(row.policy.kind != PolicyKind.ENSEMBLE for row in b.rows) and n:
         policy = PolicyBatch.from_policies([row.policy for row in b.rows], device=b.device)
     # Ranges were checked at admission (weights) or hold by construction (drafts ~ q, head output
     # clamped): skip verify's host-synced value checks on this hot path.
-    return verify(
+    result = verify(
         s.probs, d.probs, d.tokens, weights, policy=policy, greedy=b.greedy, uniforms=b.u_verify,
         validate=False,
     )  # fmt: skip
+    parts = [result.num_accepted.unsqueeze(1).float(), result.tokens.float()]  # ids < 2^24: exact
+    if n:
+        parts += [result.accept_probs.float(), tv_estimates(s.probs[:, :n], d.probs, d.tokens).float()]
+    host = torch.cat(parts, dim=1).tolist()  # [R, 1 + (N+1) + 2N]
+    out = Outcome([], [], [], [], [])
+    for row, line in zip(b.rows, host, strict=True):
+        k = int(line[0])
+        tested = min(k + 1, n)
+        out.num_accepted.append(k)
+        out.tokens.append([int(t) for t in line[1 : n + 2]])
+        out.accept_probs.append(line[n + 2 : n + 2 + tested])
+        out.tv.append([] if row.greedy else line[2 * n + 2 : 2 * n + 2 + tested])
+    return out
 
 
-def advance(
-    b: RoundBatch, num_accepted: list[int], tokens: list[list[int]], weights: list, fed: list[int]
-) -> None:
+def bonus(models: Models, b: RoundBatch, d: Drafts, s: Scores, out: Outcome) -> None:
+    """Rows with w < 1 whose N drafts were all accepted (every such row at N = 0) redraw their
+    last token from ν at position N+1 with the same coin: one more draft step gives q there (it
+    feeds x_N, or at N = 0 the pending tokens). w = 1 rows keep their p draw (ν = p)."""
+    n = b.n
+    idx = [i for i, row in enumerate(b.rows) if row.needs_q and out.num_accepted[i] == n]
+    out.bonus_rows = idx
+    if not idx:
+        return
+    sub = b.subset(idx)
+    if n == 0:
+        h = _feed_pending(models, sub)  # [R', Hd]
+    else:
+        at = sub.column(idx)
+        x_last = d.tokens[at, n - 1 :]  # [R', 1]
+        starts = sub.column([len(row.seq) + n - 1 for row in sub.rows])  # [R']
+        h = models.draft(x_last, sub.slots, starts, models.draft_cache, sub.contiguous)[:, 0]  # [R', Hd]
+    q = sub.probs(models.draft.logits(h))  # [R', V]
+    rows = sub.column(idx)
+    p = s.probs[rows, n : n + 1]  # [R', 1, V]
+    static = sub.column([row.weight for row in sub.rows], torch.float32).view(-1, 1)  # [R', 1]
+    w = _learned_weights(models, sub, h.unsqueeze(1), s.hidden[rows, n : n + 1], p, q.unsqueeze(1), static)
+    vocab = q.shape[-1]
+    result = verify(
+        p, q.new_zeros(len(idx), 0, vocab), d.tokens.new_zeros(len(idx), 0), w, bonus_probs=q,
+        greedy=sub.greedy, uniforms=sub.u_verify[:, n : n + 1], validate=False,
+    )  # fmt: skip
+    for i, token in zip(idx, result.tokens[:, 0].tolist(), strict=True):
+        out.tokens[i][n] = token
+    out.bonus_weights = w[:, 0].tolist()
+
+
+def advance(b: RoundBatch, out: Outcome, weights: list) -> None:
     """Each row appends its own k + 1 tokens. The target cache keeps pending + k accepted drafts;
-    the draft cache keeps min(k, N − 1) of them (it never consumed its last proposal), or N for
-    the rows in `fed`, whose bonus step consumed x_N."""
-    for i, (row, k, toks, w) in enumerate(zip(b.rows, num_accepted, tokens, weights, strict=True)):
+    the draft cache keeps the accepted drafts it consumed: min(k, N − 1), or N after a bonus step
+    (which fed x_N; at N = 0 it fed the pending tokens)."""
+    fed = dict(zip(out.bonus_rows, out.bonus_weights, strict=True))  # row -> its bonus w
+    for i, (row, k, toks, w) in enumerate(zip(b.rows, out.num_accepted, out.tokens, weights, strict=True)):
         old_len = len(row.seq)
-        row.record_round(k, w)
+        row.record_round(k, [*w, fed[i]] if i in fed else w, b.n, bonus_from_nu=i in fed)
         row.tlen = old_len + k
-        if b.n:
-            row.dlen = old_len + (b.n if i in fed else min(k, b.n - 1))
+        if i in fed:
+            row.dlen = old_len + b.n
+        elif b.n:
+            row.dlen = old_len + min(k, b.n - 1)
         row.emit_tokens(toks[: k + 1])
 
 
 @torch.inference_mode()
-def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> None:
-    """One round for `rows` (all with num_draft == n); emits each row's accepted tokens."""
+def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> float:
+    """One round for `rows` (all with num_draft == n); emits each row's accepted tokens and
+    returns the round's seconds."""
     dev = models.device
+    last = timers.last = {}  # this round's phases (a reset from another thread cannot race it)
     with timers.phase("round", dev):
         batch = RoundBatch.of(rows, n, dev)
         with timers.phase("draft", dev, count=n):
@@ -299,10 +337,17 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> No
             scores = score(models, batch, drafts)
         with timers.phase("verify_call", dev):
             weights, per_position = ensemble_weights(models, batch, drafts, scores)
-            result = check(batch, drafts, scores, weights)
-            num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
-            fed = bonus(models, batch, drafts, scores, num_accepted, tokens, per_position)
-        advance(batch, num_accepted, tokens, per_position, fed)
+            out = check(batch, drafts, scores, weights)
+        if any(row.needs_q for row in rows):
+            with timers.phase("bonus", dev, count=0):
+                bonus(models, batch, drafts, scores, out)
+            timers.bonus_steps += bool(out.bonus_rows)
+        advance(batch, out, per_position)
+    timers.draft_tokens += n * len(rows)
+    timers.row_rounds += len(rows)
+    if models.planner is not None:
+        models.planner.learn(batch, out, last)
+    return last["round"]
 
 
 _PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward (bounds the [R, P, P] mask)
@@ -316,7 +361,8 @@ def prefill(models: Models, rows: list[Row]) -> None:
     dev = models.device
     todo = [row for row in rows if len(row.seq) > 1]
     for row in rows:
-        row.tlen = row.dlen = len(row.seq) - 1
+        row.tlen = len(row.seq) - 1
+        row.dlen = row.tlen if row.eager_draft else 0  # a lazy draft catches up when it first runs
     todo.sort(key=lambda row: len(row.seq))
     while todo:
         group = [todo.pop()]  # longest first; add rows while the padded batch fits the budget
@@ -328,7 +374,7 @@ def prefill(models: Models, rows: list[Row]) -> None:
         slots = torch.tensor([row.slot for row in group], device=dev)  # [R]
         starts = torch.zeros(len(group), dtype=torch.long, device=dev)  # [R]
         models.target(tokens, slots, starts, models.target_cache)
-        spec = [i for i, row in enumerate(group) if row.num_draft]
+        spec = [i for i, row in enumerate(group) if row.eager_draft]
         if spec:
             idx = torch.tensor(spec, device=dev)
             models.draft(tokens[idx], slots[idx], starts[idx], models.draft_cache)

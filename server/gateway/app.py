@@ -27,6 +27,7 @@ from server.gateway.responses import (
     ChatCompletionResponse,
     CompletionChunk,
     CompletionResponse,
+    EngineRuntime,
     ModelCard,
     ModelList,
     ReadyResponse,
@@ -155,9 +156,22 @@ def create_app(
             "backend": info.backend,
             "max_context": info.max_context,
             "num_draft": info.num_draft,
+            "adaptive_draft": info.adaptive_draft,
             "has_head": info.has_head,
             "load": engine.load(),
         }
+
+    @app.get("/v1/engine/runtime", response_model=EngineRuntime)
+    async def engine_runtime():
+        """What the engine measured about itself (behind the API key, like every /v1 path): the
+        dtype and how it was chosen, the draft-length mode, and for engines that keep one the live
+        cost model in ms per stage (target forward for T = 1..N_max+1 new tokens, draft step,
+        check, other) at batch 1 and max_batch. `{}` from engines that report nothing."""
+        runtime = dict(engine.info.runtime)
+        live = getattr(engine, "cost_model_summary", None)  # the embedded engine's, refined by every round
+        if callable(live) and (summary := live()) is not None:
+            runtime["cost_model"] = summary
+        return {"backend": engine.info.backend, "runtime": runtime}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():

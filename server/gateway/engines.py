@@ -55,18 +55,20 @@ def choose_pair(target: Path | None, draft: Path | None, head: str | None) -> Pa
 
 
 def embedded_engine(args, pair: PairChoice):
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig  # torch: only now
+    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig, default_cache_dir  # torch
 
     return EmbeddedEngine(
         EmbeddedEngineConfig(
             target_path=pair.target,
             draft_path=pair.draft,
-            num_draft=args.num_draft,
+            num_draft=args.num_draft,  # None: adaptive
             max_batch=args.max_batch,
             max_context=args.max_context,
             device=args.device,
+            dtype=getattr(args, "dtype", "auto"),
             served_name=args.served_name or pair.name,
             head=pair.head,  # loaded and checked against the pair when the engine is built
+            cache_dir=default_cache_dir(),  # measured costs and dtype choices survive restarts
         )
     )
 
@@ -79,7 +81,7 @@ def sglang_engine(args):
         args.sglang_url,
         args.tokenizer,
         model=args.served_name or "dialspec-pair",
-        num_draft=args.num_draft,
+        num_draft=args.num_draft or 5,  # SGLang's N is server-wide and fixed
         max_context=args.max_context,
         max_batch=args.max_batch,
         has_head=args.sglang_has_head,

@@ -167,9 +167,18 @@ class ReadyResponse(BaseModel):
     model: str
     backend: str
     max_context: int
-    num_draft: int
+    num_draft: int = Field(description="the default N, or the largest N when adaptive_draft")
+    adaptive_draft: bool = Field(description="N is chosen per request and round from measured costs")
     has_head: bool
     load: dict[str, int] = Field(description="running: sequences decoding; waiting: queued in the engine")
+
+
+class EngineRuntime(BaseModel):
+    backend: str
+    runtime: dict[str, Any] = Field(
+        description="dtype and how it was chosen, draft-length mode, live cost model (ms per stage); "
+        "{} from engines that report nothing"
+    )
 
 
 class ErrorDetail(BaseModel):

@@ -33,10 +33,22 @@ def register(subparsers) -> None:
     p.add_argument("--target", type=Path, help="target model directory (default: the embedded pair)")
     p.add_argument("--draft", type=Path, help="draft model directory (default: the embedded pair)")
     p.add_argument("--served-name", help="model name in the API (default: the pair's name)")
-    p.add_argument("--num-draft", type=int, default=5, help="default draft length N (default 5)")
+    p.add_argument(
+        "--num-draft",
+        default="auto",
+        help="draft length N: 'auto' (default) picks it per request and round from measured costs "
+        "(0 = no drafts when they do not pay); a number fixes the default (requests may still set theirs)",
+    )
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
     p.add_argument("--max-context", type=int, default=2048, help="prompt + completion tokens (default 2048)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="model dtype, cast once at load; auto: bfloat16 on CUDA, on CPU whichever this machine "
+        "runs the pair faster in (measured at start, cached)",
+    )
     p.add_argument("--config", type=Path, help="gateway settings file (.toml or .json)")
     p.add_argument("--api-key", action="append", dest="api_keys", help="require this Bearer key (repeatable)")
     p.add_argument("--max-waiting", type=int, help="queued requests beyond which the server answers 429")
@@ -106,10 +118,23 @@ def _settings(args):
         ) from None
 
 
+def parse_num_draft(text: str) -> int | None:
+    """`--num-draft`: 'auto' -> None (adaptive), else an integer >= 1."""
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise CLIError(f"--num-draft must be 'auto' or an integer >= 1, got {text!r}")
+    return n
+
+
 def run(args: argparse.Namespace) -> int:
-    for flag, value in (("--num-draft", args.num_draft), ("--max-batch", args.max_batch)):
-        if value < 1:
-            raise CLIError(f"{flag} must be at least 1")
+    args.num_draft = parse_num_draft(str(args.num_draft))
+    if args.max_batch < 1:
+        raise CLIError("--max-batch must be at least 1")
     if not args.sglang_probe_interval > 0:
         raise CLIError("--sglang-probe-interval must be a positive number of seconds")
     if not 0 <= args.port <= 65535:

@@ -1,65 +1,114 @@
 """`run_bench`: every method at every concurrency on the same requests, trials interleaved.
 
 Trials interleave every method (engine and HF, whose models idle side by side) so that host noise
-hits all of them alike; the fastest trial of each (method, concurrency) row is kept.
+hits all of them alike; the fastest trial of each (method, concurrency) row is kept. The engine
+runs every tier with the adaptive draft length; `sweep` adds every fixed N in 0..N_max per tier
+(pinned through the planner, so N = 0 means the same path with no drafts). `max_seconds` stops
+starting new runs once spent (the report says what was skipped).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 
 from server.engine.bench.hf_baselines import hf_run
-from server.engine.bench.report import ENSEMBLE_WEIGHTS, BenchRow, check_targets, spec_row
+from server.engine.bench.report import BenchRow, check_targets, engine_row
 from server.engine.bench.workload import bench_prompts, engine_run
 
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_assisted_w0.5")
+TIERS = ("exact", "pro", "standard", "lite", "q0")  # the dial's tiers, and quality 0 (all accepted)
+
+
+def tier_verification(tier: str):
+    """The dial's Verification for a tier name ("q0": quality 0), via verifier.dial."""
+    from verifier.dial import resolve
+
+    return resolve(0.0 if tier == "q0" else tier).verification
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     target_path: str
     draft_path: str
-    concurrency: tuple[int, ...] = (1, 4, 8)
-    max_tokens: int = 64
-    num_draft: int = 5
+    concurrency: tuple[int, ...] = (1, 8)
+    max_tokens: int = 24
+    prompts: int = 8  # task-suite prompts in the workload
+    waves: int = 1  # passes over the prompt list
+    trials: int = 2  # interleaved repeats; the fastest is kept
+    tiers: tuple[str, ...] = TIERS
+    sweep: tuple[int, ...] = ()  # fixed Ns also run per tier (pinned through the planner)
+    max_num_draft: int = 8
     temperature: float = 1.0
     include_hf: bool = True
-    waves: int = 4  # passes over the prompt list
-    trials: int = 2  # interleaved repeats; the fastest is kept
+    include_hf_assisted: bool = True
     device: str = "cpu"
-    dtype: str | None = None  # None: the engine's default for the device
+    dtype: str | None = "auto"
+    max_seconds: float | None = None
+    profile_budget_s: float = 3.0
+    cache_dir: str | None = None  # cost models / dtype choices (None: measured afresh)
 
-    def engine_plan(self) -> list[tuple[str, str, float]]:
-        """(method, mode, w) for the embedded engine rows."""
-        plan = [("dialspec_ar", "autoregressive", 1.0), ("dialspec_sd", "speculative", 1.0)]
-        return plan + [(f"dialspec_w{w}", "speculative", w) for w in ENSEMBLE_WEIGHTS]
+    def engine_plan(self) -> list[tuple[str, str | None, object, int | None]]:
+        """(method, tier, Verification, fixed N or None) for the embedded engine rows."""
+        from verifier.dial import Verification
+
+        ar = Verification(mode="autoregressive")
+        # AR twice: the control's ratio to AR is this run's noise floor for every other ratio.
+        plan = [("dialspec_ar", None, ar, 0), ("dialspec_ar_control", None, ar, 0)]
+        for tier in self.tiers:
+            v = tier_verification(tier)
+            plan.append((f"dialspec_{tier}", tier, v, None))
+            plan += [(f"dialspec_{tier}_N{n}", tier, v, n) for n in self.sweep]
+        return plan
 
     def hf_plan(self, c: int) -> list[str]:
         """HF methods at concurrency c (assisted generation is batch 1 only: measured at c = 1)."""
-        return [m for m in HF_METHODS if m == "hf_generate" or c == 1] if self.include_hf else []
+        if not self.include_hf:
+            return []
+        return [m for m in HF_METHODS if m == "hf_generate" or (c == 1 and self.include_hf_assisted)]
 
 
 class Best:
-    """The fastest trial per (method, concurrency): (tokens, seconds, ...) tuples."""
+    """The fastest trial per (method, concurrency): (tokens, seconds, ...) tuples; and every
+    trial's tokens/s (`rates`), so reports show the spread the best was picked from."""
 
     def __init__(self, progress=None, total: int = 0):
         self.runs: dict[tuple[str, int], tuple] = {}
+        self.rates: dict[tuple[str, int], list[float]] = {}
         self.progress = progress
         self.task = progress.add_task("bench engine", total=total) if progress else None
+        self.requests = progress.add_task("requests", total=None) if progress else None
+        # Not a terminal (a log file, a CI or GPU-node job): one printed line per run instead.
+        self.lines = progress is not None and not progress.console.is_terminal
+        self.done, self.total, self.t0 = 0, total, time.perf_counter()
 
     def keep(self, key: tuple[str, int], result: tuple) -> None:
+        self.rates.setdefault(key, []).append(round(result[0] / result[1], 3))
         old = self.runs.get(key)
         if old is None or result[0] / result[1] > old[0] / old[1]:
             self.runs[key] = result
+        self.done += 1
         if self.progress:
             self.progress.advance(self.task)
+        if self.lines:
+            rate, elapsed = result[0] / result[1], time.perf_counter() - self.t0
+            run = f"{self.done}/{self.total} [{elapsed:.0f} s] {key[0]} c={key[1]}"
+            print(f"bench engine {run}: {rate:.2f} tok/s", flush=True)
+
+    def describe(self, text: str) -> None:
+        if self.progress:
+            self.progress.update(self.task, description=text)
+
+    def request_done(self) -> None:
+        if self.progress:
+            self.progress.advance(self.requests)
 
 
-def _workload(tok) -> tuple[list[str], list[list[int]]]:
+def _workload(tok, n: int) -> tuple[list[str], list[list[int]]]:
     """Chat-formatted prompts and their token ids (the same list for every method)."""
     chats = [
         tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-        for p in bench_prompts()
+        for p in bench_prompts(n)
     ]
     return chats, [tok(c, add_special_tokens=False)["input_ids"] for c in chats]
 
@@ -68,16 +117,51 @@ def _rows(cfg: BenchConfig, best: Best) -> list[BenchRow]:
     rows: list[BenchRow] = []
     for c in cfg.concurrency:
         ar = None
-        for method, mode, _ in cfg.engine_plan():
-            row = spec_row(method, c, *best.runs[(method, c)], cfg.num_draft, ar)
-            ar = row if mode == "autoregressive" else ar
+        for method, tier, v, fixed in cfg.engine_plan():
+            if (method, c) not in best.runs:
+                continue
+            weight = None if tier is None else v.weight
+            extra = {"tier": tier, "weight": weight, "fixed_n": None if tier is None else fixed}
+            row = engine_row(method, c, *best.runs[(method, c)], ar, **extra)
+            row.trial_tokens_per_s = best.rates[(method, c)]
+            if method == "dialspec_ar":
+                ar = row
             rows.append(row)
     for c in cfg.concurrency:
         for method in cfg.hf_plan(c):
-            tokens, secs = best.runs[(method, c)]
-            note = "" if method == "hf_generate" else "batch 1 only (sequential)"
-            rows.append(BenchRow(method, c, tokens, secs, tokens / secs, note=note))
+            if (method, c) in best.runs:
+                tokens, secs = best.runs[(method, c)]
+                note = "" if method == "hf_generate" else "batch 1 only (sequential)"
+                rows.append(BenchRow(method, c, tokens, secs, tokens / secs, note=note))
+                rows[-1].trial_tokens_per_s = best.rates[(method, c)]
     return rows
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second a large device copy moves (read + write), best of 5."""
+    import torch
+
+    n = (1 << 28) if device.type == "cuda" else (1 << 26)  # 1 GiB / 256 MiB of float32
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def weight_bytes_per_token(target) -> int:
+    """Bytes of target weights one decode step reads: every layer, the final norm, the LM head
+    (the embedding table is only indexed, one row per token)."""
+    params = sum(p.numel() for p in target.layers.parameters()) + target.norm.weight.numel()
+    params += target.lm_head.weight.numel()
+    return params * target.lm_head.weight.element_size()
 
 
 def run_bench(target_path, draft_path, progress=None, **options) -> dict:
@@ -86,25 +170,32 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from server.engine.cost_model import device_name
     from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
     cfg = BenchConfig(str(target_path), str(draft_path), **options)
+    t_start = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(cfg.target_path, padding_side="left")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    chats, prompt_ids = _workload(tok)
+    chats, prompt_ids = _workload(tok, cfg.prompts)
     engine = EmbeddedEngine(
         EmbeddedEngineConfig(
-            cfg.target_path, cfg.draft_path, num_draft=cfg.num_draft, max_batch=max(cfg.concurrency),
+            cfg.target_path, cfg.draft_path, num_draft=None, max_num_draft=cfg.max_num_draft,
+            max_batch=max(cfg.concurrency),
             max_context=max(len(p) for p in prompt_ids) + cfg.max_tokens + 8, device=cfg.device,
-            dtype=cfg.dtype,
+            dtype=cfg.dtype, profile_budget_s=cfg.profile_budget_s, cache_dir=cfg.cache_dir,
         )
     )  # fmt: skip
     engine.start_sync()
+    models = engine.scheduler.models
     # HF baselines run on this thread: give it the engine's thread count so both sides compete on
     # equal terms (recorded in the report's meta).
-    if engine.scheduler.models.num_threads:
-        torch.set_num_threads(engine.scheduler.models.num_threads)
+    if models.num_threads:
+        torch.set_num_threads(models.num_threads)
+    device = models.device
+    weights = weight_bytes_per_token(models.target)
+    bandwidth = copy_bandwidth(device)
     runs = sum(len(cfg.engine_plan()) + len(cfg.hf_plan(c)) for c in cfg.concurrency)
     best = Best(progress, cfg.trials * runs)
     hf_models = None
@@ -114,7 +205,7 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
             AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(cfg.device).eval()
             for path in (cfg.target_path, cfg.draft_path)
         )
-        hf_run(*hf_models, tok, chats[:1], 4, cfg.temperature, cfg.num_draft)  # warm-up
+        hf_run(hf_models[0], None, tok, chats[:1], 2, cfg.temperature, 1)  # warm-up
 
     def run_hf(method: str, c: int) -> tuple[int, float]:
         """The same request list as the engine: batches of c for `generate`, one by one for assisted."""
@@ -123,19 +214,38 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
         d = None if method == "hf_generate" else draft
         w = 0.5 if method.endswith("w0.5") else None
         batches = [texts[i : i + c] for i in range(0, len(texts), c)]
-        out = [hf_run(target, d, tok, b, cfg.max_tokens, cfg.temperature, cfg.num_draft, w) for b in batches]
+        out = []
+        for b in batches:
+            out.append(hf_run(target, d, tok, b, cfg.max_tokens, cfg.temperature, 5, w))
+            for _ in b:
+                best.request_done()
         return sum(r[0] for r in out), sum(r[1] for r in out)
 
+    planner = models.planner
+    skipped: list[str] = []
+    deadline = None if cfg.max_seconds is None else t_start + cfg.max_seconds
     try:
-        engine_run(engine, prompt_ids[:2], 4, cfg.temperature, "speculative", 1.0, clients=2)  # warm-up
+        warm = tier_verification("standard")
+        engine_run(engine, prompt_ids[:2], 2, cfg.temperature, warm, clients=2)  # warm-up
         for _ in range(cfg.trials):
             for c in cfg.concurrency:
-                for method, mode, w in cfg.engine_plan():
+                for method, tier, verify, fixed in cfg.engine_plan():
+                    if deadline is not None and time.perf_counter() > deadline:
+                        skipped.append(f"{method} c={c}")
+                        continue
+                    best.describe(f"{method} c={c}")
+                    planner.force = fixed if tier is not None else None
                     result = engine_run(
-                        engine, prompt_ids, cfg.max_tokens, cfg.temperature, mode, w, c, cfg.waves
-                    )
+                        engine, prompt_ids, cfg.max_tokens, cfg.temperature, verify, c, cfg.waves,
+                        on_request=best.request_done,
+                    )  # fmt: skip
                     best.keep((method, c), result)
+                planner.force = None
                 for method in cfg.hf_plan(c):
+                    if deadline is not None and time.perf_counter() > deadline:
+                        skipped.append(f"{method} c={c}")
+                        continue
+                    best.describe(f"{method} c={c}")
                     best.keep((method, c), run_hf(method, c))
     finally:
         engine.scheduler.stop()
@@ -143,9 +253,20 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
     meta = {
         **{k: v for k, v in asdict(cfg).items() if k not in ("target_path", "draft_path", "dtype")},
         "target": cfg.target_path, "draft": cfg.draft_path, "concurrency": list(cfg.concurrency),
+        "tiers": {t: tier_verification(t).weight for t in cfg.tiers},
         "torch_threads": torch.get_num_threads(), "device": engine.config.device,
-        "dtype": str(engine.config.dtype),
-        "protocol": "closed loop: c clients work through the same NUM_PROMPTS x waves seeded requests "
-        "at every c; best of `trials` interleaved runs per row; EOS ignored",
+        "device_name": device_name(device), "dtype": str(engine.config.dtype).removeprefix("torch."),
+        "dtype_choice": engine.info.runtime.get("dtype_choice"),
+        "cost_model": engine.cost_model_summary(),
+        "cost_model_profile": planner.profile.summary(sorted({1, max(cfg.concurrency)}), cfg.max_num_draft),
+        "bandwidth": {
+            "weight_bytes": weights, "copy_gb_per_s": bandwidth / 1e9,
+            "limit_tokens_per_s": bandwidth / weights,
+        },
+        "stopped_early": f"{len(skipped)} runs skipped" if skipped else None, "skipped": skipped,
+        "wall_s": round(time.perf_counter() - t_start, 1),
+        "protocol": "closed loop: c clients work through the same prompts x waves seeded requests "
+        "at every c; best of `trials` interleaved runs per row; EOS ignored; tok/s counts prompt "
+        "prefills, decode tok/s and the speedups do not (the cost model predicts rounds)",
     }  # fmt: skip
-    return {"meta": meta, "rows": [asdict(r) for r in rows], "targets": check_targets(rows)}
+    return {"meta": meta, "rows": [asdict(r) for r in rows], "targets": check_targets(rows, meta)}

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict
 
-NUM_PROMPTS = 8  # the workload: these prompts x `waves`, identical at every concurrency
+NUM_PROMPTS = 8  # the default workload: these prompts x `waves`, identical at every concurrency
 
 
 def bench_prompts(n: int = NUM_PROMPTS) -> list[str]:
@@ -20,10 +19,11 @@ def bench_prompts(n: int = NUM_PROMPTS) -> list[str]:
     return suite_prompts(n)
 
 
-def engine_run(engine, prompt_ids, max_tokens, temperature, mode, weight, clients, waves=1):
+def engine_run(engine, prompt_ids, max_tokens, temperature, verify, clients, waves=1, on_request=None):
     """Closed loop: `clients` clients work through the same `len(prompt_ids) * waves` requests
-    (request i: prompt i mod P, seed i), each sending its next request when one finishes."""
-    from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
+    (request i: prompt i mod P, seed i, verification `verify`), each sending its next request when
+    one finishes. Returns (tokens, seconds, per-request SpecStats, the scheduler's timers)."""
+    from server.engine.protocol import GenerationRequest, SamplingOptions
 
     done = threading.Semaphore(0)
     finals = []
@@ -38,11 +38,15 @@ def engine_run(engine, prompt_ids, max_tokens, temperature, mode, weight, client
             f"bench-{i}",
             tuple(prompt_ids[i % len(prompt_ids)]),
             SamplingOptions(temperature=temperature, max_tokens=max_tokens, seed=i, ignore_eos=True),
-            VerifyOptions(mode=mode, weight=weight),
+            verify,
         )
 
     total = len(prompt_ids) * waves
     sched = engine.scheduler
+    # The previous run's last round may still be closing its timers after its last chunk: wait
+    # until the scheduler has retired every row, then start counting afresh.
+    while sched.load()["running"]:
+        time.sleep(0.001)
     sched.timers.reset()
     t0 = time.perf_counter()
     sent = min(clients, total)
@@ -50,6 +54,8 @@ def engine_run(engine, prompt_ids, max_tokens, temperature, mode, weight, client
         engine.submit(request(i), sink)
     for _ in range(total):
         done.acquire()
+        if on_request:
+            on_request()
         if sent < total:
             engine.submit(request(sent), sink)
             sent += 1
@@ -58,8 +64,4 @@ def engine_run(engine, prompt_ids, max_tokens, temperature, mode, weight, client
     if errors:
         raise errors[0]
     stats = [f.stats for f in finals]
-    return sum(f.completion_tokens for f in finals), seconds, stats, snapshot(sched.timers)
-
-
-def snapshot(t) -> dict:
-    return {k: v for k, v in asdict(t).items() if k != "per_n"}
+    return sum(f.completion_tokens for f in finals), seconds, stats, sched.timers.snapshot()

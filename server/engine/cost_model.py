@@ -1,0 +1,330 @@
+"""The measured cost of a decoding round: profiled at engine start, refined by every round.
+
+Terms
+    R           rows in a round (its batch size).
+    n           the round's draft length; 0 = no drafts.
+    T           new tokens per row in one forward; the target scores T = n + 1.
+    M           tokens in one forward, the size the cost mostly depends on (`_size`): R·T for the
+                target, R for a draft step (and a catch-up forward over L tokens is M = L),
+                R·(n + 1) for the check.
+    stages      (the stages of `server/engine/step.py`)
+      draft     one draft forward of one token per row, its sampling transform and pick: t_draft(R)
+      score     one target forward over T tokens per row and its transform: t_score(R, T)
+      check     ensemble weights, `verifier.verify`, results to the host: t_check(R, n)
+      other     the rest of a round (batch assembly, advancing rows, detokenising): t_other(R)
+    bonus       the expected number of bonus draft steps in a round (0..1): rows whose bonus is
+                drawn from ν (w < 1) need the draft's q after the last proposal, which costs one
+                more draft step when all n drafts were accepted, and always at n = 0.
+
+    round(R, n, bonus) = (n + bonus)·t_draft(R) + t_score(R, n + 1) + t_check(R, n) + t_other(R)
+
+Profile: at engine start, within a time budget, the stages run on dummy tokens at the points
+that matter most first (batch 1 across T, then the largest batch); other points are interpolated
+over M, piecewise linearly, and extrapolated past the largest measured M (`time`). Online: every
+round's measured stage times update their entries (a running mean, then an exponential average),
+so decisions follow the host's actual speed. A model is cached as JSON per pair shape + device +
+dtype + threads (`cache_key`), so a restart skips the profile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from server.engine.step import Models
+
+KINDS = ("draft", "score", "check", "other")
+_EMA = 0.1  # weight of a new observation once an entry has 10 (a ~10-round memory)
+_CACHED_COUNT = 3  # a cached entry counts as 3 observations: this host's rounds soon outweigh it
+FORMAT = "dialspec-cost-model/1"
+
+
+def _size(kind: str, r: int, t: int) -> int:
+    """M, the tokens a stage processes (what its cost is interpolated over)."""
+    if kind == "score":
+        return r * t
+    if kind == "check":
+        return r * (t + 1)
+    return r
+
+
+@dataclass
+class Entry:
+    seconds: float
+    count: int = 1
+
+
+class CostModel:
+    """Seconds per stage by (kind, R, T); `round_time` composes them into one round's time.
+
+    `T` is the target's tokens per row for `score`, n for `check`, and 1 (`draft`) or 0 (`other`)."""
+
+    def __init__(self, meta: dict | None = None):
+        self.entries: dict[tuple[str, int, int], Entry] = {}
+        self.meta = dict(meta or {})
+        self.updates = 0  # online observations so far (plans may cache on it)
+        self._curves: dict[str, tuple[list[int], list[float]]] = {}
+
+    # -- reading ---------------------------------------------------------------------------
+    def _curve(self, kind: str) -> tuple[list[int], list[float]]:
+        """(M, seconds) of a kind's entries, sorted, entries of equal M averaged (cached)."""
+        curve = self._curves.get(kind)
+        if curve is None:
+            by_size: dict[int, list[float]] = {}
+            for (k, rr, tt), e in self.entries.items():
+                if k == kind:
+                    by_size.setdefault(_size(k, rr, tt), []).append(e.seconds)
+            sizes = sorted(by_size)
+            curve = self._curves[kind] = (sizes, [sum(by_size[m]) / len(by_size[m]) for m in sizes])
+        return curve
+
+    def time(self, kind: str, r: int, t: int) -> float:
+        """Seconds of one stage; exact entries first, else interpolated over M.
+
+        Past the largest measured M the cost grows along the secant through all measured points
+        and never faster than proportionally to M: a cost has a fixed part and a per-token part,
+        and two noisy neighbours must not extrapolate to a steep line."""
+        hit = self.entries.get((kind, r, t))
+        if hit is not None:
+            return hit.seconds
+        sizes, values = self._curve(kind)
+        if not sizes:
+            return 0.0
+        m = _size(kind, r, t)
+        if m <= sizes[0]:
+            return values[0]
+        if m >= sizes[-1]:
+            if len(sizes) == 1:
+                return values[0]
+            slope = max(0.0, (values[-1] - values[0]) / (sizes[-1] - sizes[0]))
+            return min(values[-1] + slope * (m - sizes[-1]), values[-1] * m / sizes[-1])
+        i = bisect_left(sizes, m)
+        frac = (m - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        return values[i - 1] + frac * (values[i] - values[i - 1])
+
+    def round_time(self, r: int, n: int, bonus: float = 0.0) -> float:
+        """Predicted seconds of one round of R rows with draft length n (see the module doc)."""
+        return (
+            (n + bonus) * self.time("draft", r, 1)
+            + self.time("score", r, n + 1)
+            + self.time("check", r, n)
+            + self.time("other", r, 0)
+        )
+
+    # -- writing ---------------------------------------------------------------------------
+    def set(self, kind: str, r: int, t: int, seconds: float, count: int = 1) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown stage {kind!r}; one of {KINDS}")
+        self.entries[(kind, r, t)] = Entry(float(seconds), count)
+        self._curves.pop(kind, None)
+
+    def observe(self, kind: str, r: int, t: int, seconds: float) -> None:
+        """One measured stage time: a running mean for the first observations, then an EMA."""
+        self.updates += 1
+        e = self.entries.get((kind, r, t))
+        if e is None:
+            self.set(kind, r, t, seconds)
+            return
+        e.count += 1
+        e.seconds += max(1.0 / e.count, _EMA) * (float(seconds) - e.seconds)
+        self._curves.pop(kind, None)
+
+    def copy(self) -> CostModel:
+        out = CostModel(self.meta)
+        out.entries = {k: Entry(e.seconds, e.count) for k, e in self.entries.items()}
+        return out
+
+    # -- (de)serialising and showing -------------------------------------------------------
+    def to_dict(self) -> dict:
+        rows = [[k, r, t, e.seconds, e.count] for (k, r, t), e in sorted(self.entries.items())]
+        return {"format": FORMAT, "meta": self.meta, "entries": rows}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        if data.get("format") != FORMAT:
+            raise ValueError(f"not a {FORMAT} file")
+        out = cls(data.get("meta"))
+        for k, r, t, seconds, count in data["entries"]:
+            out.set(k, int(r), int(t), float(seconds), min(int(count), _CACHED_COUNT))
+        return out
+
+    def summary(self, batch_sizes: list[int], max_num_draft: int) -> dict:
+        """Milliseconds per stage at the given batch sizes (what `bench engine` and the engine's
+        runtime info show): target forward for T = 1..N_max+1, draft step, check, other."""
+        ms = lambda s: round(1e3 * s, 3)  # noqa: E731
+        return {
+            "meta": self.meta,
+            "target_ms": {
+                r: [ms(self.time("score", r, t)) for t in range(1, max_num_draft + 2)] for r in batch_sizes
+            },
+            "draft_step_ms": {r: ms(self.time("draft", r, 1)) for r in batch_sizes},
+            "check_ms": {
+                r: [ms(self.time("check", r, n)) for n in range(max_num_draft + 1)] for r in batch_sizes
+            },
+            "other_ms": {r: ms(self.time("other", r, 0)) for r in batch_sizes},
+            "measured_points": len(self.entries),
+        }
+
+
+# -- profiling ---------------------------------------------------------------------------------
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_key(models: Models) -> dict:
+    """What a cached model is valid for: the pair's shapes, device, dtype, threads, torch."""
+    t, d = models.target, models.draft
+    return {
+        "target": vars(t.args),
+        "draft": vars(d.args),
+        "device": device_name(models.device),
+        "dtype": str(t.embed.weight.dtype),
+        "threads": models.num_threads or torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def cache_path(cache_dir: Path, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return Path(cache_dir) / f"cost-{digest}.json"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Stages:
+    """The round's stages on dummy inputs, in the engine's own caches (free before serving)."""
+
+    def __init__(self, models: Models):
+        self.m = models
+        self.dev = models.device
+        self.vocab = models.target.args.vocab_size
+        self.ctx = min(64, models.target_cache.shape.max_seq // 2)  # a short chat's context
+
+    def _forward(self, model, cache, r: int, t: int) -> torch.Tensor:
+        from verifier import logits_to_probs
+
+        tokens = torch.randint(0, self.vocab, (r, t), device=self.dev)  # [R, T]
+        slots = torch.arange(r, device=self.dev)  # [R]
+        starts = torch.full((r,), self.ctx, dtype=torch.long, device=self.dev)  # [R]
+        return logits_to_probs(model.logits(model(tokens, slots, starts, cache, True)))  # [R, T, V]
+
+    def run(self, kind: str, r: int, t: int) -> None:
+        from verifier import sample_inverse_cdf, verify
+
+        m = self.m
+        with torch.inference_mode():
+            if kind == "score":
+                self._forward(m.target, m.target_cache, r, t)
+            elif kind == "draft":
+                q = self._forward(m.draft, m.draft_cache, r, 1)[:, 0]  # [R, V]
+                sample_inverse_cdf(q, torch.rand(r, device=self.dev))
+            elif kind == "check":
+                p = torch.rand(r, t + 1, self.vocab, device=self.dev).softmax(-1)  # [R, n+1, V]
+                q = torch.rand(r, t, self.vocab, device=self.dev).softmax(-1)  # [R, n, V]
+                x = torch.randint(0, self.vocab, (r, t), device=self.dev)  # [R, n]
+                _sync(self.dev)
+                t0 = time.perf_counter()
+                res = verify(p, q, x, 0.5, uniforms=torch.rand(r, t + 1, device=self.dev), validate=False)
+                res.num_accepted.tolist(), res.tokens.tolist()
+                return time.perf_counter() - t0
+        _sync(self.dev)
+        return None
+
+    def measure(self, kind: str, r: int, t: int, reps: int) -> float:
+        """Median of `reps` timed runs after one warm-up at this shape."""
+        times = []
+        for i in range(reps + 1):
+            _sync(self.dev)
+            t0 = time.perf_counter()
+            inner = self.run(kind, r, t)
+            dt = inner if inner is not None else time.perf_counter() - t0
+            if i:
+                times.append(dt)
+        return sorted(times)[len(times) // 2]
+
+
+def _plan(max_batch: int, max_n: int) -> list[tuple[str, int, int]]:
+    """Profile points, most useful first: batch 1 (latency) across T, then the largest batch."""
+    tmax, rmax = max_n + 1, max_batch
+    mids = [r for r in (2, 4) if 1 < r < rmax]
+    order = [
+        ("score", 1, 1), ("draft", 1, 1), ("check", 1, 1), ("score", 1, 2), ("score", 1, tmax),
+        ("score", rmax, 1), ("draft", rmax, 1), ("score", rmax, 2), ("score", rmax, tmax),
+        ("check", 1, max_n), ("check", rmax, max_n), ("check", rmax, 1),
+        *[("score", 1, t) for t in range(3, tmax)],
+        *[(k, r, t) for r in mids for (k, t) in (("score", 1), ("draft", 1), ("score", 2), ("score", tmax))],
+        *[("score", rmax, t) for t in range(3, tmax)],
+    ]  # fmt: skip
+    seen, out = set(), []
+    for point in order:
+        if point not in seen:
+            seen.add(point)
+            out.append(point)
+    return out
+
+
+def profile(models: Models, max_batch: int, max_num_draft: int, budget_s: float = 3.0) -> CostModel:
+    """Measure the stages within about `budget_s` seconds (the first point is always measured;
+    a point whose predicted cost would overrun the budget is skipped)."""
+    stages = _Stages(models)
+    model = CostModel({"source": "profile", "budget_s": budget_s})
+    t_start = time.perf_counter()
+    stages.run("score", 1, 1)  # first-call allocations, outside any measurement
+    stages.run("draft", 1, 1)
+    for kind, r, t in _plan(max_batch, max_num_draft):
+        guess = model.time(kind, r, t)
+        reps = 3 if guess < 0.02 else 1
+        spent = time.perf_counter() - t_start
+        if model.entries and spent + guess * (reps + 1) > budget_s:
+            continue
+        model.set(kind, r, t, stages.measure(kind, r, t, reps))
+    model.meta["profile_s"] = round(time.perf_counter() - t_start, 3)
+    return model
+
+
+def load_or_profile(
+    models: Models, max_batch: int, max_num_draft: int, budget_s: float, cache_dir: Path | None
+) -> CostModel:
+    """The cached model for this pair shape + device + dtype + threads, else a fresh profile
+    (written to the cache when `cache_dir` is set)."""
+    key = cache_key(models)
+    path = cache_path(cache_dir, key) if cache_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            model = CostModel.from_dict(json.loads(path.read_text()))
+            model.meta.update(source="cache", path=str(path))
+            return model
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+            pass  # unreadable or another format: profile again and overwrite
+    model = profile(models, max_batch, max_num_draft, budget_s)
+    model.meta.update(device=key["device"], dtype=key["dtype"], threads=key["threads"])
+    if path is not None:
+        save(model, path)
+    return model
+
+
+def save(model: CostModel, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(model.to_dict(), indent=1) + "\n")
+    tmp.replace(path)

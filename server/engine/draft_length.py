@@ -1,0 +1,340 @@
+"""Goodput-optimal draft length per row and round, down to none (n = 0).
+
+Terms
+    β         a row's per-position acceptance probability (taken constant along the chain).
+    TV̂        the pair's measured disagreement: a running mean of one-draw estimates
+              `1 − min(1, p(x)/q(x))` (x ~ q; `verifier.theory.tv_estimates`) over the drafted
+              positions of every sampling row (`PairAgreement`), starting from an optimistic prior
+              so that a fresh engine tries drafting where it could pay.
+    prior β   1 − w̄·TV̂, with w̄ the row's weight (its running mean w_t for learned rows);
+              rows of other policies use 1 − TV̂.
+    estimate  the row's own evidence (`AcceptanceEstimate`): the posterior mean
+              (S·prior + Σ a_t)/(S + #t) over its tested positions t (drafts up to and including
+              the first rejection), a_t the verifier's acceptance probability there (the
+              conditional mean of the 0/1 outcome: same expectation, less noise), S = PRIOR_STRENGTH.
+    E(β, n)   expected tokens a round emits: 1 + β + … + β^n (n capped at the tokens the request
+              has left − 1: drafts past its end are never emitted).
+    needs_q   the row draws its bonus (and, at n = 0, its only token) from ν = w·p + (1−w)·q,
+              which needs the draft's q after the last proposal: one more draft step when all n
+              drafts are accepted (probability β^n), always at n = 0. Rows with w = 1 (ν = p)
+              and baseline policies do not.
+    lag       tokens the draft cache is behind: rows at w = 1 feed their prompt to the draft only
+              when they first draft, and fall behind while they decode without drafts. Drafting
+              (or a bonus step) first feeds the lag to the draft: `catchup`, the cost of one draft
+              forward over `lag` tokens spread over the rounds the request has left, is charged
+              to the choices that need it.
+    goodput   a step's expected tokens per second, Σ_rows E(β_r, n_r) / Σ_groups round(R_g, n_g),
+              one round per distinct n (the scheduler groups rows by n; `cost_model.round_time`).
+
+`choose` is the pure policy; `DraftPlanner` feeds it from rows and the engine's cost model.
+Choosing n never changes what is sampled: whatever n a round has, it emits tokens distributed
+exactly as ν, and n is fixed from the past alone, so this is purely a speed decision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from verifier.dial import PolicyKind
+from verifier.theory import expected_accepted_length_constant
+
+PRIOR_STRENGTH = 8.0  # the prior β counts as this many observed positions
+MARGIN = 0.03  # drafting must beat no drafting by this much (predictions err; n = 0 is the safe side)
+# Plans are cached per batch signature, so the signature is coarse: β on a 0.05 grid (E(β, n)
+# moves < 3 % per step of it at β <= 0.9, below the noise of the costs), catch-up on a 19 % log grid.
+BETA_STEP = 0.05
+CATCHUP_STEPS_PER_DOUBLING = 4
+
+RoundTime = Callable[[int, int, float], float]  # (rows, n, expected bonus steps) -> seconds
+
+
+def _grid(beta: float) -> float:
+    return round(round(beta / BETA_STEP) * BETA_STEP, 4)
+
+
+def _log_grid(seconds: float) -> float:
+    if seconds <= 0:
+        return 0.0
+    k = CATCHUP_STEPS_PER_DOUBLING
+    return float(f"{2.0 ** (round(k * math.log2(seconds)) / k):.4g}")
+
+
+def expected_tokens(beta: float, n: int) -> float:
+    """E(β, n) = 1 + β + … + β^n: the accepted drafts plus the one correction or bonus token."""
+    return 1.0 + expected_accepted_length_constant(min(max(beta, 0.0), 1.0), n)
+
+
+@dataclass(frozen=True)
+class RowChoice:
+    """What the policy needs to know about one row."""
+
+    beta: float  # acceptance estimate
+    needs_q: bool = False  # bonus from ν with w < 1 (see the module doc)
+    fixed: int | None = None  # a per-request num_draft (or 0 for autoregressive rows): not adapted
+    catchup: float = 0.0  # seconds per round charged when the draft runs for this row (see lag)
+    cap: int | None = None  # drafts past this many cannot be emitted (tokens left − 1): no gain
+
+
+@dataclass
+class AcceptanceEstimate:
+    """A row's own acceptance evidence (see `estimate` in the module doc)."""
+
+    accept_sum: float = 0.0
+    tested: int = 0
+
+    def observe(self, accept_probs: Sequence[float]) -> None:
+        self.accept_sum += float(sum(accept_probs))
+        self.tested += len(accept_probs)
+
+    def beta(self, prior: float) -> float:
+        return (PRIOR_STRENGTH * prior + self.accept_sum) / (PRIOR_STRENGTH + self.tested)
+
+
+@dataclass
+class PairAgreement:
+    """TV̂ over recent drafted positions (decayed past `window`, so it follows the workload)."""
+
+    prior_tv: float = 0.3
+    prior_weight: float = 16.0
+    window: float = 4096.0
+    total: float = 0.0
+    count: float = 0.0
+
+    def observe(self, samples: Sequence[float]) -> None:
+        self.total += float(sum(samples))
+        self.count += len(samples)
+        if self.count > self.window:
+            scale = self.window / self.count
+            self.total, self.count = self.total * scale, self.window
+
+    @property
+    def tv(self) -> float:
+        return (self.prior_tv * self.prior_weight + self.total) / (self.prior_weight + self.count)
+
+
+def goodput(rows: Sequence[RowChoice], ns: Sequence[int], round_time: RoundTime) -> float:
+    """Expected tokens per second of one step with draft lengths `ns` (see the module doc)."""
+    groups: dict[int, list[RowChoice]] = {}
+    for row, n in zip(rows, ns, strict=True):
+        groups.setdefault(n, []).append(row)
+    seconds = 0.0
+    for n, group in groups.items():
+        seconds += round_time(len(group), n, _bonus_steps([r.beta for r in group if r.needs_q], n))
+        seconds += sum(r.catchup for r in group if n or r.needs_q)
+    tokens = sum(expected_tokens(r.beta, _useful(r, n)) for r, n in zip(rows, ns, strict=True))
+    return tokens / seconds if seconds > 0 else math.inf
+
+
+def _useful(row: RowChoice, n: int) -> int:
+    return n if row.cap is None else min(n, row.cap)
+
+
+def _bonus_steps(needy_betas: Sequence[float], n: int) -> float:
+    """Expected bonus draft steps of a round: P(some row that needs q accepts all n drafts)."""
+    if not needy_betas:
+        return 0.0
+    if n == 0:
+        return 1.0
+    none = 1.0
+    for beta in needy_betas:
+        none *= 1.0 - min(max(beta, 0.0), 1.0) ** n
+    return 1.0 - none
+
+
+class _Search:
+    """Goodput of assignments over classes of identical rows (a batch of one tier is one class),
+    with E(β, n) and each class's factor of P(no bonus step) precomputed: the search evaluates
+    many assignments per step, each in one pass over the classes."""
+
+    def __init__(self, rows: Sequence[RowChoice], round_time: RoundTime, max_n: int):
+        counts: dict[RowChoice, int] = {}
+        self.row_class = []
+        for row in rows:
+            if row not in counts:
+                counts[row] = 0
+            counts[row] += 1
+        index = {row: c for c, row in enumerate(counts)}
+        self.row_class = [index[row] for row in rows]
+        self.classes: list[tuple[RowChoice, int]] = list(counts.items())
+        self.round_time = round_time
+        ns = range(max_n + 1)
+        self.tokens = [[k * expected_tokens(r.beta, _useful(r, n)) for n in ns] for r, k in self.classes]
+        # P(none of the class's k rows accepts all n drafts) = (1 − β^n)^k; n = 0 always steps.
+        self.no_bonus = [
+            [(1.0 - min(max(r.beta, 0.0), 1.0) ** n) ** k if n else 0.0 for n in ns] for r, k in self.classes
+        ]
+
+    def goodput(self, ns: Sequence[int]) -> float:
+        """ns: one n per class."""
+        groups: dict[int, list] = {}  # n -> [rows, P(no bonus step), any row needs q, catch-up s]
+        for c, n in enumerate(ns):
+            row, k = self.classes[c]
+            g = groups.get(n)
+            if g is None:
+                g = groups[n] = [0, 1.0, False, 0.0]
+            g[0] += k
+            if row.needs_q:
+                g[1] *= self.no_bonus[c][n]
+                g[2] = True
+            if n or row.needs_q:
+                g[3] += k * row.catchup
+        seconds = 0.0
+        for n, (size, none, needy, catchup) in groups.items():
+            seconds += self.round_time(size, n, 1.0 - none if needy else 0.0) + catchup
+        tokens = sum(self.tokens[c][n] for c, n in enumerate(ns))
+        return tokens / seconds if seconds > 0 else math.inf
+
+
+def choose(
+    rows: Sequence[RowChoice],
+    round_time: RoundTime,
+    max_n: int,
+    margin: float = MARGIN,
+) -> list[int]:
+    """Draft lengths for `rows` maximising the step's goodput; fixed rows keep theirs.
+
+    Identical rows move together. A common n for all adapted rows first (drafting only if it
+    beats n = 0 by `margin`), then single-class moves while any improves goodput; the result
+    falls back to n = 0 for all adapted rows unless it beats that by `margin`."""
+    search = _Search(rows, round_time, max_n)
+    fixed = [row.fixed for row, _ in search.classes]
+    adaptive = [c for c, f in enumerate(fixed) if f is None]
+    base = [0 if f is None else f for f in fixed]
+    if adaptive:
+        floor = search.goodput(base)
+        best, best_score = base, floor
+        for n in range(1, max_n + 1):
+            ns = [n if f is None else f for f in fixed]
+            score = search.goodput(ns)
+            if score > best_score:
+                best, best_score = ns, score
+        if best_score < floor * (1 + margin):
+            best, best_score = base, floor
+        for _ in range(2):  # single-class moves; two passes settle a batch of mixed tiers
+            moved = False
+            for c in adaptive:
+                for n in range(max_n + 1):
+                    if n == best[c]:
+                        continue
+                    trial = list(best)
+                    trial[c] = n
+                    score = search.goodput(trial)
+                    if score > best_score * (1 + 1e-9):
+                        best, best_score, moved = trial, score, True
+            if not moved:
+                break
+        base = best if best_score >= floor * (1 + margin) else base
+    return [base[c] for c in search.row_class]
+
+
+class RoundTable:
+    """`round_time` from a dense snapshot of a cost model (rows 1..max_batch, n 0..max_n),
+    rebuilt every `every` model updates (about 4 per round, so every ~16 rounds: the model moves
+    slowly, and a rebuild also drops the cached plans): the search asks for hundreds of round
+    times a step."""
+
+    def __init__(self, cost, max_batch: int, max_n: int, every: int = 64):
+        self.cost, self.max_batch, self.max_n, self.every = cost, max_batch, max_n, every
+        self.epoch = -1
+
+    def refresh(self) -> None:
+        epoch = self.cost.updates // self.every
+        if epoch == self.epoch:
+            return
+        self.epoch = epoch
+        c = self.cost
+        rs = range(1, self.max_batch + 1)
+        self.base = {r: [c.round_time(r, n) for n in range(self.max_n + 1)] for r in rs}
+        self.step = {r: c.time("draft", r, 1) for r in rs}
+
+    def __call__(self, r: int, n: int, bonus: float = 0.0) -> float:
+        if r > self.max_batch or n > self.max_n:
+            return self.cost.round_time(r, n, bonus)
+        return self.base[r][n] + bonus * self.step[r]
+
+
+class DraftPlanner:
+    """The engine's side of the policy: sets `row.num_draft` for adaptive rows each step, learns
+    from each round (acceptance, TV̂, stage times into the cost model) and predicts round times.
+
+    Rows are read duck-typed: `adaptive`, `num_draft`, `needs_q`, `estimate`, `prior_weight`,
+    `policy.kind`, `draft_lag`, `tokens_left`. Plans are cached per batch signature (rounded β,
+    needs_q, fixed, catch-up per row) and cost-table epoch, so steady batches do not re-run the
+    search every step. `profile` is the
+    start-up cost model, kept unchanged to report how well it alone predicts rounds. `force`
+    pins every adaptive row to one N (benchmarks sweep fixed N with it, N = 0 included)."""
+
+    def __init__(self, cost, max_n: int, margin: float = MARGIN, max_batch: int = 8):
+        self.cost = cost
+        self.profile = cost.copy()
+        self.max_n = max_n
+        self.margin = margin
+        self.force: int | None = None
+        self.agreement = PairAgreement()
+        self.table = RoundTable(cost, max_batch, max_n)
+        self._plans: dict[tuple, list[int]] = {}
+
+    def set_cost(self, cost) -> None:
+        """Decide from another cost model from now on (tests and experiments pin one)."""
+        self.cost = cost
+        self.table = RoundTable(cost, self.table.max_batch, self.max_n)
+        self._plans.clear()
+
+    def row_choice(self, row) -> RowChoice:
+        w = row.prior_weight if row.policy.kind == PolicyKind.ENSEMBLE else 1.0
+        prior = 1.0 - w * self.agreement.tv
+        fixed = None if row.adaptive else row.num_draft
+        beta = row.estimate.beta(prior)
+        catchup = 0.0
+        if row.draft_lag > 2:  # a forward over the lag, spread over the rounds left
+            rounds_left = max(1.0, row.tokens_left / expected_tokens(beta, max(self.max_n // 2, 1)))
+            catchup = _log_grid(self.cost.time("draft", row.draft_lag, 1) / rounds_left)
+        # Near its end a request cannot emit more than it has left; far from it, no cap, so that
+        # rows of one tier form one class for the search (β on a grid for the same reason).
+        cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
+        return RowChoice(_grid(beta), row.needs_q, fixed, catchup, cap)
+
+    def assign(self, rows: Sequence) -> None:
+        if not any(row.adaptive for row in rows):
+            return
+        if self.force is not None:
+            for row in rows:
+                if row.adaptive:
+                    row.num_draft = self.force
+            return
+        choices = [self.row_choice(row) for row in rows]
+        self.table.refresh()
+        key = (tuple(choices), self.table.epoch)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = choose(choices, self.table, self.max_n, self.margin)
+            if len(self._plans) > 512:
+                self._plans.clear()
+            self._plans[key] = plan
+        for row, n in zip(rows, plan, strict=True):
+            if row.adaptive:
+                row.num_draft = n
+
+    def predict(self, rows: Sequence, n: int) -> tuple[float, float]:
+        """(live model, start-up profile) predictions of one round of `rows` at draft length n."""
+        choices = [self.row_choice(row) for row in rows]
+        bonus = _bonus_steps([c.beta for c in choices if c.needs_q], n)
+        return self.cost.round_time(len(rows), n, bonus), self.profile.round_time(len(rows), n, bonus)
+
+    def learn(self, batch, out, seconds: dict) -> None:
+        """After a round: the rows' acceptance, the pair's TV̂, and the stage times."""
+        for row, accept, tv in zip(batch.rows, out.accept_probs, out.tv, strict=True):
+            row.estimate.observe(accept)
+            self.agreement.observe(tv)
+        r, n, cost = batch.size, batch.n, self.cost
+        forward = seconds.get("verify_forward" if n else "target_forward", 0.0)
+        if n and not batch.caught_up:
+            cost.observe("draft", r, 1, seconds["draft"] / n)
+        if out.bonus_rows:
+            cost.observe("draft", len(out.bonus_rows), 1, seconds["bonus"])
+        cost.observe("score", r, n + 1, forward)
+        cost.observe("check", r, n, seconds["verify_call"])
+        staged = sum(v for k, v in seconds.items() if k != "round")
+        cost.observe("other", r, 0, max(seconds["round"] - staged, 0.0))

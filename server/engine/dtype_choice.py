@@ -1,0 +1,130 @@
+"""`--dtype auto`: the model dtype this pair runs fastest in on this machine.
+
+On CUDA, bfloat16 (tensor cores; float32 only costs bandwidth). On a CPU the answer depends on
+the host: without native bf16 instructions bfloat16 halves the bytes read per token but its
+matmuls convert on the fly, and which effect wins differs by shape and batch size (measured on
+a 2-core AVX2 host for the Qwen2.5-1.5B shape: one token 183 ms bf16 vs 388 ms fp32, eight
+rows 2.05 s bf16 vs 1.35 s fp32). So `choose_dtype` measures it, bounded:
+
+    for float32 and bfloat16, a one-layer copy of each model (same shapes, constant weights: speed
+    does not depend on values) times one decoder layer and the LM head at 1 row and at max_batch
+    rows (best of 3 after a warm-up); per-token cost = layers·t_layer + t_head, target plus draft;
+    the dtype with the lower geometric mean of the batch-1 and batch-max per-token costs wins.
+    About 5 s for the Qwen2.5-1.5B/0.5B shapes on a 2-core host, a fraction of loading them.
+
+The whole pair is then loaded once in that dtype (nothing converts per step). Decisions are cached
+as JSON next to the cost models (per shapes, device, threads, max_batch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHOICES = ("auto", *DTYPES)
+_CPU_CANDIDATES = ("float32", "bfloat16")
+
+
+def _decode_seconds(config: dict, dtype: torch.dtype, rows: tuple[int, ...], reps: int) -> dict[int, float]:
+    """Seconds per token of one decode step at each row count, estimated from one layer: a
+    one-layer copy of the model (constant weights; the embedding cut to a few rows, as a decode
+    step reads one row of it) times the layer and the LM head separately."""
+    from server.engine.llama import ModelArgs, Transformer, rope_inv_freq, rope_table
+
+    args = ModelArgs.from_hf_config(config)
+    one = replace(args, num_layers=1)
+    with torch.device("meta"):
+        model = Transformer(one)
+    model.embed = torch.nn.Embedding(8, args.hidden_size, device="meta")
+    model = model.to_empty(device="cpu").to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.02)
+    model.inv_freq = rope_inv_freq(one)
+    model.freqs_cis = rope_table(model.inv_freq, 0)
+    cache = model.new_cache(max(rows), 80)
+
+    def best(fn) -> float:
+        fn()  # first-call allocations and kernel set-up
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    out = {}
+    with torch.inference_mode():
+        for r in rows:
+            tokens = torch.ones(r, 1, dtype=torch.long)  # [R, 1]
+            slots, starts = torch.arange(r), torch.full((r,), 64)  # [R] each
+            hidden = model(tokens, slots, starts, cache, True)  # [R, 1, H]
+            t_layer = best(lambda: model(tokens, slots, starts, cache, True))  # noqa: B023
+            t_head = best(lambda: model.logits(hidden).softmax(-1))  # noqa: B023
+            out[r] = (args.num_layers * t_layer + t_head) / r
+    return out
+
+
+def measure_cpu(target_path: Path, draft_path: Path, max_batch: int, reps: int = 3) -> dict:
+    """Per-token decode cost (seconds) of target + draft by dtype name, at batch 1 and max_batch."""
+    configs = [json.loads((Path(p) / "config.json").read_text()) for p in (target_path, draft_path)]
+    rows = tuple(sorted({1, max_batch}))
+    out: dict[str, dict] = {}
+    for name in _CPU_CANDIDATES:
+        per = [_decode_seconds(c, DTYPES[name], rows, reps) for c in configs]
+        b1, bm = sum(p[1] for p in per), sum(p[max_batch] for p in per)
+        out[name] = {
+            "batch1_s_per_token": b1,
+            f"batch{max_batch}_s_per_token": bm,
+            "score": math.sqrt(b1 * bm),
+        }
+    return out
+
+
+def choose_dtype(
+    target_path: Path,
+    draft_path: Path,
+    device: torch.device,
+    max_batch: int,
+    cache_dir: Path | None = None,
+) -> tuple[torch.dtype, dict]:
+    """(dtype, why) for `--dtype auto` (see the module doc)."""
+    if device.type == "cuda":
+        return torch.bfloat16, {"rule": "cuda: bfloat16"}
+    from server.engine.cost_model import device_name
+
+    key = {
+        "configs": [json.loads((Path(p) / "config.json").read_text()) for p in (target_path, draft_path)],
+        "device": device_name(device),
+        "threads": torch.get_num_threads(),
+        "max_batch": max_batch,
+        "torch": torch.__version__,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = Path(cache_dir) / f"dtype-{digest}.json" if cache_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            why = json.loads(path.read_text())
+            return DTYPES[why["dtype"]], why | {"source": "cache"}
+        except (KeyError, ValueError):
+            pass
+    t0 = time.perf_counter()
+    timings = measure_cpu(Path(target_path), Path(draft_path), max_batch)
+    best = min(timings, key=lambda name: timings[name]["score"])
+    why = {
+        "dtype": best,
+        "rule": "cpu: lower geometric mean of target + draft per-token decode cost at batch 1 and max_batch",
+        "timings": timings,
+        "probe_s": round(time.perf_counter() - t0, 3),
+    }
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(why, indent=1) + "\n")
+    return DTYPES[best], why | {"source": "probe"}

@@ -1,0 +1,88 @@
+"""The cost model: interpolation, online updates, the start-up profile (bounded) and its cache."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from server.engine.cost_model import CostModel, cache_key, cache_path, load_or_profile, profile
+from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+
+def test_round_time_composes_the_stages():
+    m = CostModel()
+    m.set("draft", 2, 1, 0.01)
+    m.set("score", 2, 4, 0.05)
+    m.set("check", 2, 3, 0.002)
+    m.set("other", 2, 0, 0.003)
+    assert m.round_time(2, 3, bonus=0.5) == pytest.approx(3.5 * 0.01 + 0.05 + 0.002 + 0.003)
+
+
+def test_unmeasured_points_interpolate_over_tokens_per_forward():
+    m = CostModel()
+    m.set("score", 1, 1, 1.0)
+    m.set("score", 1, 3, 3.0)  # M = 3
+    m.set("score", 8, 1, 5.0)  # M = 8
+    assert m.time("score", 1, 2) == pytest.approx(2.0)  # between M = 1 and 3
+    assert m.time("score", 2, 2) == pytest.approx(3.4)  # M = 4: between 3 and 8
+    # Past the largest M: along the secant (5 - 1)/(8 - 1), never faster than proportionally.
+    assert m.time("score", 8, 2) == pytest.approx(5.0 + 8 * 4 / 7)
+    m.set("other", 1, 0, 0.5)
+    m.set("other", 2, 0, 1.5)  # two noisy neighbours: no steep line through them
+    assert m.time("other", 8, 0) == pytest.approx(1.5 * 8 / 2)
+    assert m.time("draft", 1, 1) == 0.0  # nothing measured: free (the profile measures it first)
+
+
+def test_observations_average_then_track():
+    m = CostModel()
+    for s in (1.0, 3.0):
+        m.observe("score", 1, 1, s)
+    assert m.time("score", 1, 1) == pytest.approx(2.0)
+    for _ in range(100):
+        m.observe("score", 1, 1, 10.0)
+    assert m.time("score", 1, 1) == pytest.approx(10.0, rel=1e-3)
+
+
+def test_json_round_trip_caps_cached_counts():
+    m = CostModel({"device": "x"})
+    m.set("score", 4, 2, 0.5, count=1000)
+    back = CostModel.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert back.time("score", 4, 2) == 0.5 and back.meta == {"device": "x"}
+    assert back.entries[("score", 4, 2)].count == 3
+    with pytest.raises(ValueError):
+        CostModel.from_dict({"format": "other"})
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair):
+    eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=4, max_context=64))
+    return eng.load_models()
+
+
+def test_profile_measures_the_stages_within_its_budget(models):
+    t0 = time.perf_counter()
+    m = profile(models, max_batch=4, max_num_draft=8, budget_s=1.0)
+    assert time.perf_counter() - t0 < 2.0
+    kinds = {k for k, _, _ in m.entries}
+    assert {"score", "draft", "check"} <= kinds
+    assert all(e.seconds > 0 for e in m.entries.values())
+    summary = m.summary([1, 4], 8)
+    assert len(summary["target_ms"][1]) == 9 and summary["draft_step_ms"][4] > 0
+
+
+def test_a_tiny_budget_still_measures_the_first_point(models):
+    m = profile(models, max_batch=4, max_num_draft=8, budget_s=0.0)
+    assert ("score", 1, 1) in m.entries
+
+
+def test_cache_is_keyed_by_shape_device_and_dtype(models, tmp_path):
+    first = load_or_profile(models, 4, 8, 0.5, tmp_path)
+    path = cache_path(tmp_path, cache_key(models))
+    assert path.is_file() and first.meta["source"] == "profile"
+    again = load_or_profile(models, 4, 8, 0.5, tmp_path)
+    assert again.meta["source"] == "cache"
+    assert again.time("score", 1, 1) == pytest.approx(first.time("score", 1, 1))
+    key = cache_key(models)
+    assert cache_path(tmp_path, key | {"dtype": "torch.bfloat16"}) != path

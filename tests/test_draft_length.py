@@ -1,0 +1,131 @@
+"""The draft-length policy (server/engine/draft_length.py) on synthetic cost structures.
+
+Two cost structures bracket the hardware: `overhead_bound` (a forward costs about the same for 1
+or 9 tokens, the draft is cheap: small models, or GPUs at small batch) and `compute_bound` (cost
+grows with tokens, the draft costs 0.4 of the target per token: the 1.5B pair on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from server.engine.cost_model import CostModel
+from server.engine.draft_length import (
+    AcceptanceEstimate,
+    PairAgreement,
+    RowChoice,
+    choose,
+    expected_tokens,
+    goodput,
+)
+
+MAX_N = 8
+
+
+def _model(score, draft, check=0.0, other=0.0, max_batch=8) -> CostModel:
+    m = CostModel()
+    for r in range(1, max_batch + 1):
+        m.set("draft", r, 1, draft(r))
+        m.set("other", r, 0, other)
+        for t in range(1, MAX_N + 2):
+            m.set("score", r, t, score(r, t))
+        for n in range(MAX_N + 1):
+            m.set("check", r, n, check)
+    return m
+
+
+def overhead_bound() -> CostModel:
+    return _model(lambda r, t: 3e-3 + 1e-5 * r * t, lambda r: 6e-4 + 2e-5 * r, check=2e-4)
+
+
+def compute_bound() -> CostModel:
+    return _model(lambda r, t: 0.18 * r * t, lambda r: 0.07 * r, check=1e-3)
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_drafts_where_they_pay_and_not_where_they_do_not():
+    cheap, dear = overhead_bound(), compute_bound()
+    exact = RowChoice(beta=0.6)
+    assert choose([exact], cheap.round_time, MAX_N)[0] > 0
+    assert choose([exact], dear.round_time, MAX_N) == [0]  # linear verify cost: AR wins at any β < 1
+    lite = RowChoice(beta=0.9, needs_q=True)
+    assert choose([lite], cheap.round_time, MAX_N)[0] >= choose([exact], cheap.round_time, MAX_N)[0]
+
+
+def test_exact_is_never_predicted_slower_than_no_drafts():
+    """Rows that need no q at N = 0 are plain decoding there: the choice is at least that fast."""
+    for model in (overhead_bound(), compute_bound()):
+        for beta in (0.0, 0.2, 0.5, 0.8, 0.95):
+            for r in (1, 4, 8):
+                rows = [RowChoice(beta=beta)] * r
+                ns = choose(rows, model.round_time, MAX_N)
+                assert goodput(rows, ns, model.round_time) >= goodput(rows, [0] * r, model.round_time)
+
+
+@pytest.mark.parametrize("make", [overhead_bound, compute_bound])
+def test_lower_quality_is_never_slower_among_rows_that_need_q(make):
+    """Among w < 1 rows (same cost structure), a higher β — a lower quality — never has a lower
+    predicted goodput; between w = 1 and w < 1 the extra draft step is what can break it."""
+    model = make()
+    for r in (1, 8):
+        rates = []
+        for beta in [i / 20 for i in range(21)]:
+            rows = [RowChoice(beta=beta, needs_q=True)] * r
+            rates.append(goodput(rows, choose(rows, model.round_time, MAX_N), model.round_time))
+        assert all(b >= a * (1 - 1e-9) for a, b in zip(rates, rates[1:], strict=False))
+
+
+def test_fixed_rows_keep_their_n_and_the_search_only_improves():
+    model = overhead_bound()
+    rows = [RowChoice(0.9, True), RowChoice(0.3), RowChoice(0.7, fixed=3), RowChoice(1.0, fixed=0)]
+    ns = choose(rows, model.round_time, MAX_N)
+    assert ns[2:] == [3, 0]
+    for n in range(MAX_N + 1):  # no common n beats the plan
+        common = [n, n, 3, 0]
+        assert goodput(rows, ns, model.round_time) >= goodput(rows, common, model.round_time) * (1 - 1e-9)
+
+
+def test_margin_keeps_marginal_speculation_off():
+    """A plan predicted 1% faster than no drafts is not worth the model's error: n = 0."""
+    base = RowChoice(beta=0.5)
+    model = _model(lambda r, t: 1.0 + (0.49 if t > 1 else 0.0), lambda r: 0.0)  # N=1: 1.5 tok / 1.49 s
+    assert goodput([base], [1], model.round_time) > goodput([base], [0], model.round_time)
+    assert choose([base], model.round_time, 1) == [0]
+
+
+def test_a_lagging_draft_is_charged_its_catch_up():
+    model = overhead_bound()
+    fresh, behind = RowChoice(0.6), RowChoice(0.6, catchup=0.05)
+    assert choose([fresh], model.round_time, MAX_N)[0] > 0
+    assert choose([behind], model.round_time, MAX_N) == [0]
+    # A row that needs q pays the catch-up at n = 0 too (its bonus step feeds the lag): no reason
+    # to stop drafting.
+    assert choose([RowChoice(0.9, True, catchup=0.05)], model.round_time, MAX_N)[0] > 0
+
+
+def test_no_drafts_past_the_end_of_a_request():
+    """Two tokens left: a round can emit at most two, so at most one draft is worth its cost."""
+    model = overhead_bound()
+    assert choose([RowChoice(1.0, True)], model.round_time, MAX_N) == [MAX_N]
+    assert choose([RowChoice(1.0, True, cap=1)], model.round_time, MAX_N) == [1]
+
+
+def test_acceptance_estimate_moves_from_prior_to_evidence():
+    est = AcceptanceEstimate()
+    assert est.beta(0.7) == pytest.approx(0.7)
+    est.observe([0.2] * 200)
+    assert abs(est.beta(0.7) - 0.2) < 0.03
+
+
+def test_pair_agreement_follows_recent_samples():
+    agree = PairAgreement(prior_tv=0.3, prior_weight=16, window=100)
+    assert agree.tv == pytest.approx(0.3)
+    agree.observe([0.8] * 1000)
+    assert agree.tv > 0.7
+    agree.observe([0.1] * 1000)
+    assert agree.tv < 0.2

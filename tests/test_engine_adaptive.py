@@ -1,0 +1,134 @@
+"""The engine's adaptive draft length, its runtime info, and `dtype="auto"` (tiny pair).
+
+The law of the output under adaptive N is tested in test_engine_distribution.py; here: what the
+planner decides with a cost model where drafting cannot pay and one where it pays well, that a
+per-request num_draft overrides it, and what the engine reports about itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from server.engine.cost_model import CostModel
+from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    eng = EmbeddedEngine(
+        EmbeddedEngineConfig(*tiny_pair, max_batch=4, max_context=96, profile_budget_s=0.5, dtype="auto")
+    )
+    eng.start_sync()
+    yield eng
+    asyncio.run(eng.stop())
+
+
+def _run(engine, weight=1.0, num_draft=None, seed=0, n=4, max_tokens=24):
+    ids = tuple(engine.encode_chat([{"role": "user", "content": "Tom has 12 apples"}]))
+
+    async def one(i):
+        req = GenerationRequest(
+            f"r{i}", ids, SamplingOptions(max_tokens=max_tokens, seed=seed + i, ignore_eos=True),
+            VerifyOptions(weight=weight, num_draft=num_draft),
+        )  # fmt: skip
+        return [c async for c in engine.generate(req)][-1].stats
+
+    async def main():
+        return await asyncio.gather(*[one(i) for i in range(n)])
+
+    return asyncio.run(main())
+
+
+def _costs(engine, score, draft):
+    """Pin the engine's cost model (and stop it learning) to a synthetic cost structure."""
+    planner = engine.scheduler.models.planner
+    model = CostModel()
+    for r in range(1, engine.config.max_batch + 1):
+        model.set("draft", r, 1, draft)
+        for t in range(1, engine.config.max_num_draft + 2):
+            model.set("score", r, t, score(t))
+    planner.set_cost(model)
+    planner.learn = lambda batch, out, seconds: None
+    return planner
+
+
+def test_runtime_info_reports_dtype_and_cost_model(engine):
+    info = engine.info
+    assert info.adaptive_draft and info.runtime["draft_length"] == "adaptive"
+    assert info.runtime["dtype"] in ("float32", "bfloat16")
+    assert info.runtime["dtype_choice"]["dtype"] == info.runtime["dtype"]
+    cost = info.runtime["cost_model"]
+    assert len(cost["target_ms"][1]) == engine.config.max_num_draft + 1 and cost["draft_step_ms"][1] > 0
+
+
+def test_no_drafts_where_verification_cost_grows_with_tokens(engine):
+    _costs(engine, score=lambda t: 0.010 * t, draft=0.004)
+    stats = _run(engine, weight=1.0)
+    assert all(s.drafts == 0 and s.verify_steps == 24 for s in stats)
+
+
+def test_long_drafts_where_verification_is_flat_and_the_dial_is_low(engine):
+    _costs(engine, score=lambda t: 0.010, draft=0.0005)
+    stats = _run(engine, weight=0.0)
+    max_n = engine.config.max_num_draft
+    assert all(s.acceptance_rate == 1.0 for s in stats)
+    # w = 0: every draft pays, N_max per round (24 = 9 + 9 + 6: the last round drafts only 5,
+    # as more could not be emitted).
+    assert all(s.verify_steps == 3 and s.draft_tokens == 2 * max_n + 5 for s in stats)
+
+
+def test_per_request_num_draft_overrides_the_planner(engine):
+    _costs(engine, score=lambda t: 0.010 * t, draft=0.004)  # the planner would pick 0
+    stats = _run(engine, weight=0.5, num_draft=3)
+    assert all(s.drafts > 0 and s.draft_tokens == 3 * s.drafts for s in stats)
+
+
+def test_the_planner_learns_acceptance_and_costs_from_rounds(tiny_pair):
+    eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=2, max_context=96, profile_budget_s=0.3))
+    eng.start_sync()
+    try:
+        planner = eng.scheduler.models.planner
+        before = planner.cost.updates
+        _run(eng, weight=0.5, num_draft=2, n=2)
+        assert planner.cost.updates > before
+        assert planner.agreement.count > 0  # TV samples from the drafted positions
+        timers = eng.scheduler.timers
+        assert timers.predicted_rounds == timers.rounds > 0
+    finally:
+        asyncio.run(eng.stop())
+
+
+def test_catch_up_near_the_context_end_stays_inside_the_draft_cache(tiny_pair):
+    """An adaptive w = 1 row drafting for the first time feeds its whole sequence to the draft;
+    beside it a row near `max_context` with a short lag must not be padded past the cache's end
+    (found on an H100: the out-of-bounds write was a device-side assert that killed the engine).
+    Each row's draft state must equal what it gets catching up alone."""
+    import torch
+
+    from server.engine.row import Row
+    from server.engine.step import RoundBatch, _feed_pending
+
+    eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=2, max_context=40, num_draft=2))
+    eng.start_sync()
+    try:
+        models = eng.scheduler.models
+        max_seq = models.draft_cache.shape.max_seq
+
+        def row(slot, length, dlen):
+            req = GenerationRequest(f"r{slot}", tuple(range(5, 5 + length)), SamplingOptions(max_tokens=1),
+                                    VerifyOptions(weight=0.5))  # fmt: skip
+            r = Row(req, lambda _c: None, 2, eng.tokenizer, frozenset())
+            r.slot, r.dlen, r.tlen = slot, dlen, length - 1
+            return r
+
+        near_end, first_draft = row(0, 38, 35), row(1, 30, 0)  # lags 3 and 30
+        assert near_end.dlen + (len(first_draft.seq) - 1) > max_seq  # one shared padding would overflow
+        rows = [near_end, first_draft]
+        together = _feed_pending(models, RoundBatch.of(rows, 2, models.device))  # [2, Hd]
+        alone = torch.cat([_feed_pending(models, RoundBatch.of([r], 2, models.device)) for r in rows])
+        torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-4)
+    finally:
+        asyncio.run(eng.stop())
