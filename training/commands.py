@@ -148,7 +148,9 @@ def run_train(args) -> int:
         "dials": args.dials,
         "eval_every": args.eval_every,
     }
-    for key in ("updates", "batch", "max_tokens", "eval_every"):
+    if args.updates is not None and args.updates < 0:
+        raise CLIError("--updates must be >= 0 (0: calibration and warm start only)")
+    for key in ("batch", "max_tokens", "eval_every"):
         if overrides[key] is not None and overrides[key] < 1:
             raise CLIError(f"--{key.replace('_', '-')} must be >= 1")
     known = {f.name: f for f in fields(TrainConfig)}
@@ -158,7 +160,11 @@ def run_train(args) -> int:
             raise CLIError(f"--set {item!r}: expected KEY=VALUE with KEY a TrainConfig field")
         default = getattr(TrainConfig(), key)
         try:
-            if isinstance(default, tuple):
+            if isinstance(default, bool):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError("expected true or false")
+                overrides[key] = value.lower() in ("true", "1")
+            elif isinstance(default, tuple):
                 overrides[key] = tuple(type(default[0])(v) for v in value.split(",")) if default else ()
             else:
                 overrides[key] = type(default)(value)

@@ -46,9 +46,12 @@ class EvalConfig:
     temperature: float = 1.0
     w_sweep: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)  # static; w = 1 is the SD row
     lenience_sweep: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75)  # lossy; l = 1 is SD
-    alpha_sweep: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)  # SpecCascade
+    # SpecCascade; α >= 1 never defers (max p − max q <= TV), so the sweep covers [0, 1]
+    alpha_sweep: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)
     typical_sweep: tuple[float, ...] = (0.1, 0.3, 1.0, 3.0, 10.0)  # scales Medusa's (ε, δ)
-    dials: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)  # learned heads
+    # learned heads; for a head distilled from SpecCascade (training.distill, α(d) = 1 − 2d) the
+    # points d <= 0.5 are the α of `alpha_sweep`
+    dials: tuple[float, ...] = (0.0, 0.05, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0)
     seed: int = 0
     max_batch: int = 8
     dtype: str | None = None  # None: the engine's default (float32 on CPU); "auto": measured

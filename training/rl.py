@@ -17,6 +17,8 @@ Terms
                 directly comparable with the static frontier. μ = 0 gives the plain paper reward.
                 `budget="weight"` anchors `mean_t w_t` to d instead: its gradient is the same at
                 every position, so it leaves the choice of *where* to put w to the task reward.
+                `budget="cascade"` anchors the acceptance to SpecCascade's at α(d) on the same
+                positions (`training.distill.cascade_gap`), for heads distilled from that family.
     objective   `J = E[score] + E[λ(d)·acc − μ·gap²]` — the "regularised objective". Its gradient
                 has a score-function part (REINFORCE on r, with PPO-style clipping) and, because
                 acc and gap are explicit functions of w, a pathwise part added directly.
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from training.distill import cascade_gap, distil_cascade
 from training.rollout import Forced, expected_acceptance, nu_log_prob
 from verifier.head import WeightHead, wants_stats
 
@@ -74,13 +77,19 @@ class TrainConfig:
     lambda_min: float = 0.02
     lambda_max: float = 0.2
     budget_coef: float = 20.0  # μ; 0 = the paper's reward without the dial anchor
-    budget: str = "weight"  # anchor mean_t w_t ("weight") or mean_t w_t·TV_t ("acceptance") to d
+    budget: str = "weight"  # anchor mean_t w_t ("weight") or mean_t w_t·TV_t ("acceptance") to d,
+    # or mean_t w_t·TV_t to the cascade's at α(d) ("cascade", training.distill)
     warm_start_steps: int = 200  # pathwise-only fit of the regulariser before RL (0 = off)
     warm_start_lr: float = 5e-2
     dial_conditioned: bool = True
     head_hidden: int = 0
     head_inputs: str = "states"  # "states" (the paper's head), "stats" or "both" (verifier.head)
-    warm_start: str = "auto"  # "regulariser", "cascade", or "auto": cascade when the head reads stats
+    # "regulariser", "cascade" (budget-matched, one α), "distil" (the α(d) family, training.distill),
+    # or "auto": distil for heads with dial interactions, cascade for other stats heads
+    warm_start: str = "auto"
+    head_dial_interactions: bool = False  # the head also reads d · stats (verifier.head)
+    head_exact_at_full_dial: bool = False  # the head's w is exactly 1 at d = 1 (verifier.head)
+    distil_sharpness: float = 300.0  # the distil warm start's logit scale k: logit = k·u_α(d)
     cascade_alpha: float = 0.5  # the cascade warm start ranks positions by max p − max q − α·TV
     default_dial: float = 0.5
     eval_every: int = 20
@@ -101,6 +110,8 @@ def regulariser(w: torch.Tensor, forced: Forced, dial: torch.Tensor, cfg: TrainC
     count = forced.mask.sum(1).clamp_min(1)  # [B]
     if cfg.budget == "weight":  # allocation-neutral anchor: mean_t w_t = d
         gap = (w * forced.mask).sum(1) / count - dial  # [B]
+    elif cfg.budget == "cascade":  # the cascade's acceptance at α(d) on these positions
+        gap = cascade_gap(w, forced, dial)  # [B]
     else:  # acceptance anchor: mean_t w_t·TV_t = d·mean_t TV_t
         spent = (w * forced.tv * forced.mask).sum(1) / count  # [B] mean_t w_t·TV_t
         gap = spent - dial * (forced.tv * forced.mask).sum(1) / count  # [B]
@@ -233,12 +244,16 @@ def warm_start(head: WeightHead, forced: Forced, cfg: TrainConfig) -> tuple[str,
     kind = cfg.warm_start
     if kind == "auto":
         kind = "cascade" if wants_stats(head) else "regulariser"
+        kind = "distil" if getattr(head.config, "dial_interactions", False) else kind
+    if kind in ("cascade", "distil") and not wants_stats(head):
+        raise ValueError(f"the {kind} warm start needs a head that reads position stats")
     if kind == "cascade":
-        if not wants_stats(head):
-            raise ValueError("the cascade warm start needs a head that reads position stats")
         return kind, cascade_warm_start(head, forced, cfg)
+    if kind == "distil":
+        steps, lr = cfg.warm_start_steps, cfg.warm_start_lr
+        return kind, distil_cascade(head, forced, cfg.dials, steps, lr, cfg.distil_sharpness)
     if kind != "regulariser":
-        raise ValueError(f"warm_start must be auto, regulariser or cascade, got {kind!r}")
+        raise ValueError(f"warm_start must be auto, regulariser, cascade or distil, got {kind!r}")
     return kind, dial_warm_start(head, forced, cfg)
 
 

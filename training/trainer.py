@@ -24,6 +24,7 @@ import torch
 from server.engine.head_store import head_for_pair, save_head
 from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
 from training import tasks
+from training.distill import rule_agreement
 from training.rl import (
     TrainConfig,
     head_weights,
@@ -57,6 +58,8 @@ class Trainer:
             default_dial=cfg.default_dial,
             dial_conditioned=cfg.dial_conditioned,
             inputs=cfg.head_inputs,
+            dial_interactions=cfg.head_dial_interactions,
+            exact_at_full_dial=cfg.head_exact_at_full_dial,
         )
         self.ref = WeightHead(self.head.config)
         self.ref.load_state_dict(self.head.state_dict())
@@ -161,7 +164,8 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------
     def train(self, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict:
-        """Run to `cfg.updates` (or stop early after update `stop_after`, as an interruption would)."""
+        """Run to `cfg.updates` (or stop early after update `stop_after`, as an interruption would).
+        With `cfg.updates == 0` the head gets its calibration and warm start only."""
         cfg = self.cfg
         last = cfg.updates if stop_after is None else min(cfg.updates, stop_after)
         if resume and self.load_checkpoint():
@@ -170,6 +174,9 @@ class Trainer:
         t0 = time.perf_counter()
         try:
             if not self.dev_history:
+                self.dev_history.append(self.evaluate_dev())
+            if cfg.updates == 0 and not self.calibrated:  # the warm start alone (no RL)
+                self.prepare(self.update_batch(0)[0])
                 self.dev_history.append(self.evaluate_dev())
             bar = _Progress(cfg.updates, self.step, enabled=progress)
             with bar:
@@ -198,26 +205,40 @@ class Trainer:
         log_path.write_text(json.dumps({"history": self.history, "summary": summary}, indent=1))
         return summary
 
-    def one_update(self) -> None:
+    def update_batch(self, step: int):
+        """The rollout batch of update `step`: (forced, scores [B], dials [B], rollout seconds)."""
         cfg = self.cfg
-        examples = self.batch_examples(self.step)
-        dials = sample_dials(cfg, self.step, len(examples))
-        seeds = [_seed("rollout", cfg.seed, self.step, i) for i in range(len(examples))]
+        examples = self.batch_examples(step)
+        dials = sample_dials(cfg, step, len(examples))
+        seeds = [_seed("rollout", cfg.seed, step, i) for i in range(len(examples))]
         t0 = time.perf_counter()
         forced, scores = self.rollouts(examples, dials, seeds)
-        t1 = time.perf_counter()
-        if not self.calibrated:  # standardise the head's inputs, teach it the dial, then fix the reference
-            m = forced.mask
-            self.head.calibrate(forced.h_draft[m], forced.h_target[m], forced.stats[m])
-            kind, value = warm_start(self.head, forced, cfg)
-            self.log(f"{kind} warm start: final value {value:.4f}")
-            self.ref.load_state_dict(self.head.state_dict())
-            self.calibrated = True
+        return forced, scores, dials, time.perf_counter() - t0
+
+    def prepare(self, forced) -> None:
+        """Once, on the first batch: standardise the head's inputs, warm-start it, fix the reference."""
+        if self.calibrated:
+            return
+        m = forced.mask
+        self.head.calibrate(forced.h_draft[m], forced.h_target[m], forced.stats[m])
+        kind, value = warm_start(self.head, forced, self.cfg)
+        self.log(f"{kind} warm start: final value {value:.4f}")
+        if kind == "distil":
+            agree = rule_agreement(self.head, forced, self.cfg.dials)
+            self.log("TV-weighted agreement with SpecCascade at α(d): "
+                     + ", ".join(f"d={d:g} {a:.3f}" for d, a in agree.items()))  # fmt: skip
+        self.ref.load_state_dict(self.head.state_dict())
+        self.calibrated = True
+
+    def one_update(self) -> None:
+        cfg = self.cfg
+        forced, scores, dials, rollout_s = self.update_batch(self.step)
+        self.prepare(forced)
         self.head.train()
         stats = update_step(self.head, self.ref, self.optimizer, forced, dials, scores, cfg)
         self.scheduler.step()
         self.step += 1
-        stats.update(step=self.step, rollout_s=round(t1 - t0, 2), lr=self.scheduler.get_last_lr()[0])
+        stats.update(step=self.step, rollout_s=round(rollout_s, 2), lr=self.scheduler.get_last_lr()[0])
         self.history.append(stats)
 
 

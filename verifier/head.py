@@ -10,6 +10,9 @@ Terms
               Low d asks for speed (more acceptance), high d for fidelity to the target.
     w         `[R, N]` the per-token ensemble weight on the target, `ν_t = w_t·p_t + (1 − w_t)·q_t`.
     inputs    what a head reads: "states" (the paper's head), "stats", or "both".
+    dial_interactions  whether a stats-reading head also reads `d · stats` (each standardised
+              statistic times the dial), so the dial can rescale how the statistics are weighed,
+              not only shift the threshold (see "Why interactions" below).
     pair      the draft/target checkpoints a head was trained for; a head is only meaningful on the
               hidden states of that exact pair, so its config records the pair's name, hidden sizes
               and a fingerprint (sha256 over the pair's weight files) and loading checks them.
@@ -25,6 +28,10 @@ weight and bias: w = 0.5 at init.
 Why stats: SpecCascade's rule is a per-token w ∈ {0, 1} from the models' confidences (defer to the
 target when `max q < max p − α·TV`); a head with these statistics can represent that rule (and the
 dial's threshold on it) linearly, which hidden states alone make hard to find in a few RL updates.
+Why interactions: SpecCascade's margin α multiplies TV, so a family of cascades indexed by the dial,
+`max p − max q − α(d)·TV > 0` with α linear in d, has a `d·TV` term. A linear head over
+`[stats, φ(d)]` can only move the threshold with d; with `d · stats` it represents the family exactly
+(training/distill.py distils it).
 Why nothing about the sampled draft token (q(x), p(x)): w must be a function of the context only.
 If w depended on x, the emitted token would no longer follow the ν of its w, and `Σ_t log ν_t(y_t)`
 would no longer be the policy's likelihood that training differentiates.
@@ -70,10 +77,14 @@ class HeadConfig:
     pair_name: str = ""
     pair_fingerprint: str = ""  # sha256 over the pair's weight files ("" = unchecked)
     default_dial: float = DEFAULT_AUTO_DIAL  # the dial `quality: "auto"` uses (servers may override)
+    dial_interactions: bool = False  # also read d · stats (needs stats and dial conditioning)
+    exact_at_full_dial: bool = False  # w = 1 exactly at d >= 1 (the dial's top is lossless SD)
 
     def __post_init__(self):
         if self.inputs not in HEAD_INPUTS:
             raise ValueError(f"HeadConfig.inputs must be one of {HEAD_INPUTS}, got {self.inputs!r}")
+        if self.dial_interactions and not (self.uses_stats and self.dial_conditioned):
+            raise ValueError("HeadConfig.dial_interactions needs a dial-conditioned head that reads stats")
 
     @property
     def uses_states(self) -> bool:
@@ -104,6 +115,7 @@ class WeightHead(nn.Module):
         self.config = config
         inputs = config.input_width
         width = inputs + (NUM_DIAL_FEATURES if config.dial_conditioned else 0)
+        width += len(STAT_NAMES) if config.dial_interactions else 0
         self.register_buffer("shift", torch.zeros(inputs))  # [F] per-feature mean
         self.register_buffer("scale", torch.ones(inputs))  # [F] per-feature std
         self.hidden = nn.Linear(width, config.hidden) if config.hidden > 0 else None
@@ -138,7 +150,8 @@ class WeightHead(nn.Module):
         self.scale.copy_(x.std(0).clamp_min(1e-3) if x.shape[0] > 1 else torch.ones_like(self.scale))
 
     def features(self, h_draft: torch.Tensor, h_target: torch.Tensor, dial: torch.Tensor, stats=None):
-        """Inputs `[R, N, F (+3)]` in float32: each block standardised and scaled to norm ≈ 1."""
+        """Inputs `[R, N, F (+3) (+5)]` in float32: each block standardised and scaled to norm ≈ 1;
+        then φ(d), then (with `dial_interactions`) d times the stats block."""
         c = self.config
         x = (self._raw(h_draft, h_target, stats) - self.shift) / self.scale  # [R, N, F]
         states = c.draft_hidden + c.target_hidden if c.uses_states else 0
@@ -149,8 +162,11 @@ class WeightHead(nn.Module):
         if not c.dial_conditioned:
             return x
         r, n = x.shape[:2]
-        phi = dial_features(dial.to(x.device)).view(r, 1, NUM_DIAL_FEATURES).expand(r, n, -1)
-        return torch.cat([x, phi], dim=-1)
+        phi = dial_features(dial.to(x.device)).view(r, 1, NUM_DIAL_FEATURES).expand(r, n, -1)  # [R, N, 3]
+        if not c.dial_interactions:
+            return torch.cat([x, phi], dim=-1)
+        scaled_stats = phi[..., :1] * blocks[-1]  # [R, N, 5] d · (standardised stats)
+        return torch.cat([x, phi, scaled_stats], dim=-1)
 
     def logit(self, h_draft, h_target, dial, stats=None) -> torch.Tensor:
         """Pre-sigmoid score `[R, N]` (log-odds of w)."""
@@ -160,7 +176,11 @@ class WeightHead(nn.Module):
         return self.out(x).squeeze(-1)  # [R, N]
 
     def forward(self, h_draft, h_target, dial, stats=None) -> torch.Tensor:
-        return torch.sigmoid(self.logit(h_draft, h_target, dial, stats))  # [R, N]
+        w = torch.sigmoid(self.logit(h_draft, h_target, dial, stats))  # [R, N]
+        if self.config.exact_at_full_dial:  # a sigmoid never reaches 1: pin the top of the dial
+            top = dial.to(w.device).view(-1, 1) >= 1.0  # [R, 1]
+            w = torch.where(top, torch.ones_like(w), w)
+        return w
 
 
 def wants_stats(head) -> bool:
