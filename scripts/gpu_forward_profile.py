@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _time_forward(model, cache, r: int, t: int, dev, profile, activity) -> dict:
+def _time_forward(model, cache, r: int, t: int, dev) -> dict:
     """Median wall ms of 30 forwards (after 5 warm-ups); kernel ms and launches per forward."""
     import torch
+    from torch.profiler import ProfilerActivity, profile
 
     tokens = torch.randint(0, model.args.vocab_size, (r, t), device=dev)  # [R, T]
     slots = torch.arange(r, device=dev)  # [R]
@@ -46,7 +47,7 @@ def _time_forward(model, cache, r: int, t: int, dev, profile, activity) -> dict:
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t0)
     reps = 10
-    with profile(activities=[activity.CPU, activity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fwd()
         torch.cuda.synchronize()
@@ -60,7 +61,6 @@ def _time_forward(model, cache, r: int, t: int, dev, profile, activity) -> dict:
 
 def main() -> int:
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from server.engine.llama import load_model
     from training.synth_pair import write_pair
@@ -87,7 +87,7 @@ def main() -> int:
                 "model": which,
                 "R": r,
                 "T": t,
-                **_time_forward(model, cache, r, t, dev, profile, ProfilerActivity),
+                **_time_forward(model, cache, r, t, dev),
             }
             row.update(weights_gb=round(nbytes / 1e9, 3), bandwidth_floor_ms=round(nbytes / 3.0e12 * 1e3, 3))
             rows.append(row)  # the floor assumes ~3 TB/s of HBM3

@@ -49,9 +49,9 @@ class RandomLengths(DraftPlanner):
                 row.num_draft = self.rng.randrange(0, 5)
 
 
-def never_drafts(cost, max_n, p_when_undrafted):
+def never_drafts(cost, max_n):
     """The engine's planner pinned to N = 0, as where drafting cannot pay."""
-    planner = DraftPlanner(cost, max_n, p_when_undrafted=p_when_undrafted)
+    planner = DraftPlanner(cost, max_n)
     planner.force = 0
     return planner
 
@@ -132,9 +132,7 @@ def _sample(tiny_pair, weight, length, num_draft, planner=None, strict=True):
         await engine.start()
         if planner is not None:
             old = engine.scheduler.models.planner
-            engine.scheduler.models.planner = planner(
-                old.cost, engine.config.max_num_draft, p_when_undrafted=not strict
-            )
+            engine.scheduler.models.planner = planner(old.cost, engine.config.max_num_draft)
         try:
 
             async def one(seed):

@@ -19,7 +19,7 @@ Terms
               drafts are accepted (probability β^n), always at n = 0. Rows with w = 1 (ν = p)
               and baseline policies do not.
     from p    an adaptive row with w < 1 at n = 0 draws its token from p instead of ν when the
-              engine allows it (`p_when_undrafted`, the default): ν there would cost a draft step
+              engine allows it (`Row.p_when_undrafted`, the default): ν there would cost a draft step
               per token, which is what the planner just found not to pay. Such a row costs what a
               w = 1 row costs at n = 0, so no tier is slower than plain decoding and a lower
               quality is never slower; where drafting pays, every token follows ν.
@@ -270,16 +270,15 @@ class DraftPlanner:
     """The engine's side of the policy: sets `row.num_draft` for adaptive rows each step, learns
     from each round (acceptance, TV̂, stage times into the cost model) and predicts round times.
 
-    Rows are read duck-typed: `adaptive`, `num_draft`, `needs_q`, `estimate`, `prior_weight`,
-    `policy.kind`, `draft_lag`, `tokens_left`. Plans are cached per batch signature (rounded β,
-    needs_q, fixed, catch-up per row) and cost-table epoch, so steady batches do not re-run the
-    search every step. `profile` is the
+    Rows are read duck-typed: `adaptive`, `num_draft`, `needs_q`, `p_when_undrafted`, `estimate`,
+    `prior_weight`, `policy.kind`, `draft_lag`, `tokens_left`. Plans are cached per batch signature
+    (rounded β, needs_q, fixed, catch-up per row) and cost-table epoch, so steady batches do not
+    re-run the search every step. `profile` is the
     start-up cost model, kept unchanged to report how well it alone predicts rounds. `force`
     pins every adaptive row to one N (benchmarks sweep fixed N with it, N = 0 included)."""
 
-    def __init__(self, cost, max_n: int, margin: float = MARGIN, max_batch: int = 8, p_when_undrafted=True):
+    def __init__(self, cost, max_n: int, margin: float = MARGIN, max_batch: int = 8):
         self.cost = cost
-        self.p_when_undrafted = p_when_undrafted  # see "from p" in the module doc
         self.profile = cost.copy()
         self.max_n = max_n
         self.margin = margin
@@ -306,8 +305,7 @@ class DraftPlanner:
         # Near its end a request cannot emit more than it has left; far from it, no cap, so that
         # rows of one tier form one class for the search (β on a grid for the same reason).
         cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
-        q_at_zero = not (row.adaptive and self.p_when_undrafted)
-        return RowChoice(_grid(beta), row.needs_q, q_at_zero, fixed, catchup, cap)
+        return RowChoice(_grid(beta), row.needs_q, not row.p_when_undrafted, fixed, catchup, cap)
 
     def assign(self, rows: Sequence) -> None:
         if not any(row.adaptive for row in rows):
@@ -315,7 +313,7 @@ class DraftPlanner:
         if self.force is not None:
             for row in rows:
                 if row.adaptive:
-                    self._set(row, self.force)
+                    row.num_draft = self.force
             return
         choices = [self.row_choice(row) for row in rows]
         self.table.refresh()
@@ -328,11 +326,7 @@ class DraftPlanner:
             self._plans[key] = plan
         for row, n in zip(rows, plan, strict=True):
             if row.adaptive:
-                self._set(row, n)
-
-    def _set(self, row, n: int) -> None:
-        row.num_draft = n
-        row.from_p = n == 0 and row.needs_q and self.p_when_undrafted
+                row.num_draft = n
 
     def predict(self, rows: Sequence, n: int) -> tuple[float, float]:
         """(live model, start-up profile) predictions of one round of `rows` at draft length n."""

@@ -199,9 +199,7 @@ class EmbeddedEngine:
             num_threads=threads,
         )
         cost = load_or_profile(models, c.max_batch, c.max_num_draft, c.profile_budget_s, cache_dir)
-        models.planner = DraftPlanner(
-            cost, c.max_num_draft, max_batch=c.max_batch, p_when_undrafted=c.p_when_undrafted
-        )
+        models.planner = DraftPlanner(cost, c.max_num_draft, max_batch=c.max_batch)
         self.info.runtime.update(dtype=str(c.dtype).removeprefix("torch."), device=str(device))
         self.info.runtime["draft_length"] = "adaptive" if c.num_draft is None else c.num_draft
         # Where adaptive w < 1 rows draw from when no drafts pay: "p" (default) or "nu" (--strict-nu).
@@ -346,12 +344,13 @@ class EmbeddedEngine:
         fixed = 0 if v.mode == "autoregressive" else (v.num_draft or c.num_draft)
         try:
             request = replace(request, sampling=s)
-            row = Row(request, sink, fixed or 0, self.tokenizer, self.eos_ids, adaptive=fixed is None)
+            adaptive = fixed is None
+            return Row(
+                request, sink, fixed or 0, self.tokenizer, self.eos_ids, adaptive=adaptive,
+                p_when_undrafted=adaptive and c.p_when_undrafted,
+            )  # fmt: skip
         except ValueError as exc:  # e.g. Policy parameter ranges
             raise EngineError(str(exc), "invalid_request") from exc
-        if row.adaptive and c.p_when_undrafted:
-            row.eager_draft = False  # its draft runs only when drafting pays: catch up then
-        return row
 
     def submit(self, request: GenerationRequest, sink) -> Row:
         """Thread-safe enqueue (used by `generate` and by the synchronous benchmark)."""

@@ -8,8 +8,9 @@ Terms
             every draft of the last round was accepted without a bonus step (the draft had not
             consumed its own last proposal), or more after rounds without drafts.
     num_draft  N for this row's next round; 0 means no drafts.
-    from_p  this round (N = 0) of a w < 1 row draws from p, not ν: the planner found drafting
-            does not pay, and ν would cost a draft step per token (`draft_length.py`).
+    p_when_undrafted  an adaptive row whose rounds without drafts draw from p, not ν (the engine's
+            `p_when_undrafted`): where the planner finds drafting does not pay, ν would cost a draft
+            step per token (`draft_length.py`, "from p"). `from_p`: this round is such a round.
     adaptive   N is chosen each round by the draft-length policy (`draft_length.py`); otherwise
             `num_draft` is fixed (a per-request or engine-wide N, or 0 for autoregressive rows).
     sink    callable receiving each `GenerationChunk`, or an `Exception` that ends the stream.
@@ -47,6 +48,7 @@ class Row:
     stats: SpecStats = field(default_factory=SpecStats)
     adaptive: bool = False
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    p_when_undrafted: bool = False
 
     def __post_init__(self):
         s, v = self.request.sampling, self.request.verify
@@ -75,13 +77,18 @@ class Row:
             and self.policy.kind == PolicyKind.ENSEMBLE
             and (self.learned or self.weight < 1.0)
         )
-        # Prefill the draft with the prompt only if it will surely run; adaptive w = 1 rows feed it
-        # when they first draft (a row that never drafts never pays for the draft's prefill).
-        self.eager_draft = self.needs_q or (self.num_draft > 0 and not self.adaptive)
-        # Set by the planner per round: this round (n = 0) draws from p, not ν (draft_length.py).
-        self.from_p = False
+        # Prefill the draft with the prompt only if it will surely run; adaptive rows that may skip
+        # it (w = 1, or p_when_undrafted) feed it when they first draft.
+        self.eager_draft = (self.needs_q and not self.p_when_undrafted) or (
+            self.num_draft > 0 and not self.adaptive
+        )
         # The latest round as `_provenance` reads it: (k, w per position, N, bonus drawn from ν).
         self.last_round: tuple[int, list[float], int, bool] = (0, [], 0, False)
+
+    @property
+    def from_p(self) -> bool:
+        """This round (N = 0) draws from p, not ν (see `p_when_undrafted`)."""
+        return self.p_when_undrafted and self.needs_q and self.num_draft == 0
 
     def uniforms(self, count: int) -> torch.Tensor:
         """Next `count` uniforms `[count]` of this row's stream (drawn on CPU for determinism)."""
