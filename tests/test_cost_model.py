@@ -35,6 +35,24 @@ def test_unmeasured_points_interpolate_over_tokens_per_forward():
     assert m.time("draft", 1, 1) == 0.0  # nothing measured: free (the profile measures it first)
 
 
+def test_a_longer_forward_never_reads_cheaper_than_a_shorter_one():
+    """Per batch size, costs are fitted non-decreasing in T, weighted by observations: one noisy
+    T = 2 reading (count 1) above a well-observed T = 5 (count 30) is pooled with it, so the
+    planner never sees a 5-token forward as cheaper than a 2-token one; other R are untouched."""
+    m = CostModel()
+    m.set("score", 1, 1, 0.45, count=10)
+    m.set("score", 1, 2, 0.80, count=1)
+    m.set("score", 1, 5, 0.50, count=30)
+    m.set("score", 4, 1, 0.30, count=1)
+    pooled = (0.80 + 30 * 0.50) / 31
+    assert m.time("score", 1, 2) == pytest.approx(pooled) and m.time("score", 1, 5) == pytest.approx(pooled)
+    assert m.time("score", 1, 1) == 0.45 and m.time("score", 4, 1) == 0.30
+    costs = [m.time("score", 1, t) for t in range(1, 10)]
+    assert costs == sorted(costs)
+    m.observe("score", 1, 2, 0.2)  # a write invalidates the fit
+    assert m.time("score", 1, 2) < pooled
+
+
 def test_observations_average_then_track():
     m = CostModel()
     for s in (1.0, 3.0):
@@ -70,6 +88,26 @@ def test_profile_measures_the_stages_within_its_budget(models):
     assert all(e.seconds > 0 for e in m.entries.values())
     summary = m.summary([1, 4], 8)
     assert len(summary["target_ms"][1]) == 9 and summary["draft_step_ms"][4] > 0
+
+
+def test_first_call_costs_do_not_eat_the_profile_budget(models, monkeypatch):
+    """A real-size model's first forward (first touch of its weights) can take longer than the
+    whole budget; it runs before the clock, so the budget still buys the T = N_max + 1 point."""
+    from server.engine import cost_model
+
+    real_run = cost_model._Stages.run
+    first = {"done": False}
+
+    def slow_first(self, kind, r, t):
+        if not first["done"]:
+            first["done"] = True
+            time.sleep(0.6)
+        return real_run(self, kind, r, t)
+
+    monkeypatch.setattr(cost_model._Stages, "run", slow_first)
+    m = profile(models, max_batch=4, max_num_draft=8, budget_s=0.5)
+    assert {("score", 1, 1), ("draft", 1, 1), ("score", 1, 9)} <= set(m.entries)
+    assert m.meta["warm_up_s"] >= 0.6 and m.meta["profile_s"] < 0.6 + 0.5
 
 
 def test_a_tiny_budget_still_measures_the_first_point(models):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import platform
 import time
 from bisect import bisect_left
@@ -75,31 +76,55 @@ class CostModel:
         self._curves: dict[str, tuple[list[int], list[float]]] = {}
 
     # -- reading ---------------------------------------------------------------------------
-    def _curve(self, kind: str) -> tuple[list[int], list[float]]:
-        """(M, seconds) of a kind's entries, sorted, entries of equal M averaged (cached)."""
-        curve = self._curves.get(kind)
-        if curve is None:
-            by_size: dict[int, list[float]] = {}
+    def _fit(self, kind: str) -> tuple[dict[int, list[tuple[int, float]]], list[int], list[float]]:
+        """A kind's entries as read (cached until the next write): per batch size R, (T, seconds)
+        sorted and made non-decreasing in T (`_isotonic`, weighted by observation counts: one noisy
+        observation cannot make a longer forward look cheaper than a well-measured shorter one);
+        and the same over M, all batch sizes pooled (entries of equal M averaged)."""
+        fit = self._curves.get(kind)
+        if fit is None:
+            by_batch: dict[int, list[tuple[int, Entry]]] = {}
             for (k, rr, tt), e in self.entries.items():
                 if k == kind:
-                    by_size.setdefault(_size(k, rr, tt), []).append(e.seconds)
+                    by_batch.setdefault(rr, []).append((tt, e))
+            per_batch: dict[int, list[tuple[int, float]]] = {}
+            by_size: dict[int, list[Entry]] = {}
+            for rr, points in by_batch.items():
+                points.sort(key=lambda p: p[0])
+                values = _isotonic([e.seconds for _, e in points], [e.count for _, e in points])
+                per_batch[rr] = [(tt, v) for (tt, _), v in zip(points, values, strict=True)]
+                for (tt, e), v in zip(points, values, strict=True):
+                    by_size.setdefault(_size(kind, rr, tt), []).append(Entry(v, e.count))
             sizes = sorted(by_size)
-            curve = self._curves[kind] = (sizes, [sum(by_size[m]) / len(by_size[m]) for m in sizes])
-        return curve
+            means = [sum(e.seconds for e in by_size[m]) / len(by_size[m]) for m in sizes]
+            weights = [sum(e.count for e in by_size[m]) for m in sizes]
+            fit = self._curves[kind] = (per_batch, sizes, _isotonic(means, weights))
+        return fit
 
     def time(self, kind: str, r: int, t: int) -> float:
-        """Seconds of one stage; exact entries first, else interpolated over M.
+        """Seconds of one stage: from R's own measured points (fitted, `_fit`) where t lies within
+        them, else interpolated over M, kept on the right side of R's nearest measured point.
 
         Past the largest measured M the cost grows along the secant through all measured points
         and never faster than proportionally to M: a cost has a fixed part and a per-token part,
         and two noisy neighbours must not extrapolate to a steep line."""
-        hit = self.entries.get((kind, r, t))
-        if hit is not None:
-            return hit.seconds
-        sizes, values = self._curve(kind)
+        per_batch, sizes, values = self._fit(kind)
+        points = per_batch.get(r)
+        if points and points[0][0] <= t <= points[-1][0]:
+            i = bisect_left(points, (t, -math.inf))
+            if points[i][0] == t:
+                return points[i][1]
+            (t0, v0), (t1, v1) = points[i - 1], points[i]
+            return v0 + (t - t0) / (t1 - t0) * (v1 - v0)
+        v = self._over_size(sizes, values, _size(kind, r, t))
+        if points:  # never below R's last measured T, never above its first
+            v = max(v, points[-1][1]) if t > points[-1][0] else min(v, points[0][1])
+        return v
+
+    @staticmethod
+    def _over_size(sizes: list[int], values: list[float], m: int) -> float:
         if not sizes:
             return 0.0
-        m = _size(kind, r, t)
         if m <= sizes[0]:
             return values[0]
         if m >= sizes[-1]:
@@ -173,6 +198,19 @@ class CostModel:
             "other_ms": {r: ms(self.time("other", r, 0)) for r in batch_sizes},
             "measured_points": len(self.entries),
         }
+
+
+def _isotonic(values: list[float], weights: list[float]) -> list[float]:
+    """The weighted least-squares non-decreasing fit of `values` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [weighted sum, weight, length]
+    for v, w in zip(values, weights, strict=True):
+        blocks.append([v * w, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, w2, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += w2
+            blocks[-1][2] += n
+    return [s / w for s, w, n in blocks for _ in range(int(n))]
 
 
 # -- profiling ---------------------------------------------------------------------------------
@@ -250,26 +288,27 @@ class _Stages:
         _sync(self.dev)
         return None
 
-    def measure(self, kind: str, r: int, t: int, reps: int) -> float:
-        """Median of `reps` timed runs after one warm-up at this shape."""
+    def measure(self, kind: str, r: int, t: int, reps: int, warm_up: bool = True) -> float:
+        """Median of `reps` timed runs (after one untimed run at this shape if `warm_up`)."""
         times = []
-        for i in range(reps + 1):
+        for i in range(reps + warm_up):
             _sync(self.dev)
             t0 = time.perf_counter()
             inner = self.run(kind, r, t)
             dt = inner if inner is not None else time.perf_counter() - t0
-            if i:
+            if i or not warm_up:
                 times.append(dt)
         return sorted(times)[len(times) // 2]
 
 
 def _plan(max_batch: int, max_n: int) -> list[tuple[str, int, int]]:
-    """Profile points, most useful first: batch 1 (latency) across T, then the largest batch."""
+    """Profile points, most useful first: batch 1 (latency) at both ends of T (with the draft
+    step, the two points a fixed + per-token cost needs), then the largest batch, then the rest."""
     tmax, rmax = max_n + 1, max_batch
     mids = [r for r in (2, 4) if 1 < r < rmax]
     order = [
-        ("score", 1, 1), ("draft", 1, 1), ("check", 1, 1), ("score", 1, 2), ("score", 1, tmax),
-        ("score", rmax, 1), ("draft", rmax, 1), ("score", rmax, 2), ("score", rmax, tmax),
+        ("score", 1, 1), ("draft", 1, 1), ("score", 1, tmax), ("check", 1, 1), ("score", 1, 2),
+        ("score", rmax, 1), ("draft", rmax, 1), ("score", rmax, tmax), ("score", rmax, 2),
         ("check", 1, max_n), ("check", rmax, max_n), ("check", rmax, 1),
         *[("score", 1, t) for t in range(3, tmax)],
         *[(k, r, t) for r in mids for (k, t) in (("score", 1), ("draft", 1), ("score", 2), ("score", tmax))],
@@ -285,19 +324,28 @@ def _plan(max_batch: int, max_n: int) -> list[tuple[str, int, int]]:
 
 def profile(models: Models, max_batch: int, max_num_draft: int, budget_s: float = 3.0) -> CostModel:
     """Measure the stages within about `budget_s` seconds (the first point is always measured;
-    a point whose predicted cost would overrun the budget is skipped)."""
+    a point whose predicted cost would overrun the budget is skipped).
+
+    The first forward of each model runs before the clock starts: it pays one-off costs (first
+    touch of the weights' pages, allocator growth) that on a real-size model on CPU take seconds
+    and would otherwise leave no budget for the points. Cheap points (< 20 ms) are the median of 3
+    runs after a warm-up run; expensive ones are one run (a warm-up would double their cost for
+    little: host noise is a smaller share of a long forward, and rounds refine them online)."""
     stages = _Stages(models)
     model = CostModel({"source": "profile", "budget_s": budget_s})
-    t_start = time.perf_counter()
-    stages.run("score", 1, 1)  # first-call allocations, outside any measurement
+    t_warm = time.perf_counter()
+    stages.run("score", 1, 1)
     stages.run("draft", 1, 1)
+    t_start = time.perf_counter()
     for kind, r, t in _plan(max_batch, max_num_draft):
         guess = model.time(kind, r, t)
-        reps = 3 if guess < 0.02 else 1
+        cheap = guess < 0.02
+        runs = 4 if cheap else 1
         spent = time.perf_counter() - t_start
-        if model.entries and spent + guess * (reps + 1) > budget_s:
+        if model.entries and spent + guess * runs > budget_s:
             continue
-        model.set(kind, r, t, stages.measure(kind, r, t, reps))
+        model.set(kind, r, t, stages.measure(kind, r, t, 3 if cheap else 1, warm_up=cheap))
+    model.meta["warm_up_s"] = round(t_start - t_warm, 3)
     model.meta["profile_s"] = round(time.perf_counter() - t_start, 3)
     return model
 
