@@ -72,3 +72,12 @@ def test_bench_engine_device_mistakes_are_cli_errors(tiny_pair, capsys):
     if not torch.cuda.is_available():
         assert main([*base, "--device", "cuda"]) == 2
         assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_trials_start_at_different_rows_and_run_every_row_once():
+    from server.engine.bench.runner import _rotated
+
+    plan = list(range(7))
+    orders = [_rotated(plan, k, 3) for k in range(3)]
+    assert all(sorted(o) == plan for o in orders)
+    assert len({o[0] for o in orders}) == 3 and orders[0] == plan
