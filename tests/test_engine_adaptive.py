@@ -58,6 +58,7 @@ def _costs(engine, score, draft):
 def test_runtime_info_reports_dtype_and_cost_model(engine):
     info = engine.info
     assert info.adaptive_draft and info.runtime["draft_length"] == "adaptive"
+    assert info.runtime["quality_zero"] == "draft only"
     assert info.runtime["dtype"] in ("float32", "bfloat16")
     assert info.runtime["dtype_choice"]["dtype"] == info.runtime["dtype"]
     cost = info.runtime["cost_model"]
@@ -72,12 +73,47 @@ def test_no_drafts_where_verification_cost_grows_with_tokens(engine):
 
 def test_long_drafts_where_verification_is_flat_and_the_dial_is_low(engine):
     _costs(engine, score=lambda t: 0.010, draft=0.0005)
-    stats = _run(engine, weight=0.0)
     max_n = engine.config.max_num_draft
-    assert all(s.acceptance_rate == 1.0 for s in stats)
-    # w = 0: every draft pays, N_max per round (24 = 9 + 9 + 6: the last round drafts only 5,
-    # as more could not be emitted).
-    assert all(s.verify_steps == 3 and s.draft_tokens == 2 * max_n + 5 for s in stats)
+    # w = 0 pinned to the speculative path (a fixed N stays speculative): every draft pays, N_max
+    # per round (24 = 9 + 9 + 6: the last round drafts only 5, as more could not be emitted).
+    engine.scheduler.models.planner.force = None
+    stats = _run(engine, weight=0.05)
+    assert all(s.drafts == s.verify_steps and s.draft_tokens >= max_n * (s.drafts - 2) for s in stats)
+    assert all(s.draft_only_tokens == 0 for s in stats)
+
+
+def test_quality_zero_decodes_from_the_draft_alone(engine):
+    """w = 0: ν = q, so the target never runs, not even for the prompt: max_n tokens per draft-only
+    round, no proposals, no verification; the draft's rounds are priced by the planner."""
+    models = engine.scheduler.models
+    calls = []
+    target_forward = type(models.target).forward
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return target_forward(self, *args, **kwargs)
+
+    models.target.forward = counting.__get__(models.target)
+    try:
+        stats = _run(engine, weight=0.0, max_tokens=20)
+    finally:
+        del models.target.forward
+    max_n = engine.config.max_num_draft
+    assert calls == []
+    assert all(s.draft_only_tokens == 20 and s.verify_steps == s.draft_tokens == 0 for s in stats)
+    assert all(s.mean_weight == 0.0 for s in stats)
+    predicted = models.planner.predict([_Row()], max_n)
+    cost = models.planner.cost
+    assert predicted[0] == pytest.approx(max_n * cost.time("draft", 1, 1) + cost.time("other", 1, 0))
+
+
+class _Row:
+    draft_only = True
+
+
+def test_a_pinned_n_keeps_quality_zero_speculative(engine):
+    stats = _run(engine, weight=0.0, num_draft=2, n=2)
+    assert all(s.draft_only_tokens == 0 and s.acceptance_rate == 1.0 and s.drafts > 0 for s in stats)
 
 
 def test_per_request_num_draft_overrides_the_planner(engine):

@@ -216,3 +216,14 @@ def test_strict_nu_without_drafts_keeps_nu(tiny_pair, hf_pair):
     prompt, outputs, stats = _sample(tiny_pair, 0.5, 2, None, never_drafts, strict=True)
     assert all(s.drafts == 0 and s.target_only_rounds == 0 for s in stats)
     _check_positions(outputs, _marginals(hf_pair, prompt, 0.5, 2))
+
+
+def test_quality_zero_from_the_draft_alone_is_q(tiny_pair, hf_pair):
+    """Adaptive w = 0 rows decode from the draft alone (`draft_only.py`): three tokens of one
+    draft-only round, each following ν = q; the power check: p's law is rejected by the same test."""
+    prompt, outputs, stats = _sample(tiny_pair, 0.0, 3, None)
+    assert all(s.draft_only_tokens == 3 and s.verify_steps == 0 for s in stats)
+    _check_positions(outputs, _marginals(hf_pair, prompt, 0.0, 3))
+    p = _marginals(hf_pair, prompt, 1.0, 1)[0]
+    stat, dof = _chi_square(Counter(o[0] for o in outputs), p, len(outputs))
+    assert stat > chi2.ppf(1 - 1e-4, dof)

@@ -77,12 +77,42 @@ def test_stream_equals_non_stream_for_a_seed(client):
     assert chunks[-1].model_extra["dialspec"] == whole.model_extra["dialspec"]
 
 
-def test_quality_zero_accepts_every_draft(client):
+def test_quality_zero_with_a_pinned_n_accepts_every_draft(served, client):
+    """An engine-wide num_draft pins N, so quality 0 stays speculative there (w = 0: all accepted)."""
+    rt = httpx.get(served[0].url + "/v1/engine/runtime", timeout=10).json()["runtime"]
+    assert rt["quality_zero"] == "speculative"
     r = client.completions.create(
         model=NAME, prompt="def add", max_tokens=20, seed=2, extra_body={"quality": 0}
     )
     ds = r.model_extra["dialspec"]
-    assert ds["draft_tokens"] > 0 and ds["acceptance_rate"] == 1.0
+    assert ds["draft_tokens"] > 0 and ds["acceptance_rate"] == 1.0 and ds["draft_only_tokens"] == 0
+
+
+def test_quality_zero_is_served_by_the_draft_alone(tiny_pair):
+    """The adaptive engine (the default): ν = q at quality 0, so no target forward runs for it. The
+    response says so (draft-only tokens, nothing proposed or verified, mean w 0), the trace labels
+    every token a draft with w = 0, the metrics count them; a per-request num_draft still pins the
+    speculative path."""
+    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+    engine = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=2, max_context=128, served_name=NAME))
+    with live_server(create_app(engine, GatewaySettings())) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        rt = httpx.get(srv.url + "/v1/engine/runtime", timeout=10).json()["runtime"]
+        assert rt["quality_zero"] == "draft only"
+        before = _scrape(srv.url)
+        kw = dict(model=NAME, prompt="def add", max_tokens=20, seed=2)
+        r = client.completions.create(**kw, extra_body={"quality": 0, "dialspec_trace": True})
+        ds = r.model_extra["dialspec"]
+        assert ds["draft_only_tokens"] == 20 and ds["verify_steps"] == ds["draft_tokens"] == 0
+        assert ds["acceptance_rate"] is None and ds["mean_w"] == 0.0
+        trace = r.choices[0].model_extra["dialspec_trace"]
+        assert len(trace) == 20 and {(t["source"], t["w"]) for t in trace} == {("draft", 0.0)}
+        delta = _scrape(srv.url).get('dialspec:draft_only_tokens_total{tier="custom"}', 0.0)
+        assert delta - before.get('dialspec:draft_only_tokens_total{tier="custom"}', 0.0) == 20
+        pinned = client.completions.create(**kw, extra_body={"quality": 0, "num_draft": 2})
+        ds = pinned.model_extra["dialspec"]
+        assert ds["draft_only_tokens"] == 0 and ds["draft_tokens"] > 0 and ds["acceptance_rate"] == 1.0
 
 
 def _scrape(url: str) -> dict[str, float]:

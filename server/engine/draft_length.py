@@ -270,10 +270,10 @@ class DraftPlanner:
     """The engine's side of the policy: sets `row.num_draft` for adaptive rows each step, learns
     from each round (acceptance, TV̂, stage times into the cost model) and predicts round times.
 
-    Rows are read duck-typed: `adaptive`, `num_draft`, `needs_q`, `p_when_undrafted`, `estimate`,
-    `prior_weight`, `policy.kind`, `draft_lag`, `tokens_left`. Plans are cached per batch signature
-    (rounded β, needs_q, fixed, catch-up per row) and cost-table epoch, so steady batches do not
-    re-run the search every step. `profile` is the
+    Rows are read duck-typed: `adaptive`, `draft_only`, `num_draft`, `needs_q`, `p_when_undrafted`,
+    `estimate`, `prior_weight`, `policy.kind`, `draft_lag`, `tokens_left`. Plans are cached per
+    batch signature (rounded β, needs_q, fixed, catch-up per row) and cost-table epoch, so steady
+    batches do not re-run the search every step. `profile` is the
     start-up cost model, kept unchanged to report how well it alone predicts rounds. `force`
     pins every adaptive row to one N (benchmarks sweep fixed N with it, N = 0 included)."""
 
@@ -308,6 +308,11 @@ class DraftPlanner:
         return RowChoice(_grid(beta), row.needs_q, not row.p_when_undrafted, fixed, catchup, cap)
 
     def assign(self, rows: Sequence) -> None:
+        draft_only = [row for row in rows if row.draft_only]
+        for row in draft_only:  # the draft's own decoding (`draft_only.py`): no choice to make
+            row.num_draft = max(1, min(self.max_n, row.tokens_left))
+        if draft_only:
+            rows = [row for row in rows if not row.draft_only]
         if not any(row.adaptive for row in rows):
             return
         if self.force is not None:
@@ -330,9 +335,19 @@ class DraftPlanner:
 
     def predict(self, rows: Sequence, n: int) -> tuple[float, float]:
         """(live model, start-up profile) predictions of one round of `rows` at draft length n."""
+        if rows[0].draft_only:  # n draft steps and the round's fixed part; no target, no check
+            r = len(rows)
+            return tuple(m.time("draft", r, 1) * n + m.time("other", r, 0) for m in (self.cost, self.profile))
         choices = [self.row_choice(row) for row in rows]
         bonus = _bonus_steps([c.beta for c in choices if _needs_q(c, n)], n)
         return self.cost.round_time(len(rows), n, bonus), self.profile.round_time(len(rows), n, bonus)
+
+    def learn_draft_only(self, batch, seconds: dict) -> None:
+        """After a draft-only round: its draft steps and the rest into the cost model."""
+        r, n = batch.size, batch.n
+        if not batch.caught_up:
+            self.cost.observe("draft", r, 1, seconds["draft"] / n)
+        self.cost.observe("other", r, 0, max(seconds["round"] - seconds["draft"], 0.0))
 
     def learn(self, batch, out, seconds: dict) -> None:
         """After a round: the rows' acceptance, the pair's TV̂, and the stage times."""

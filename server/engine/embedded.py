@@ -204,6 +204,8 @@ class EmbeddedEngine:
         self.info.runtime["draft_length"] = "adaptive" if c.num_draft is None else c.num_draft
         # Where adaptive w < 1 rows draw from when no drafts pay: "p" (default) or "nu" (--strict-nu).
         self.info.runtime["undrafted_rounds_draw_from"] = "p" if c.p_when_undrafted else "nu"
+        # Static w = 0 (ν = q) on adaptive rows decodes from the draft alone (draft_only.py).
+        self.info.runtime["quality_zero"] = "draft only" if c.num_draft is None else "speculative"
         return models
 
     def cost_model_summary(self) -> dict | None:
@@ -345,9 +347,12 @@ class EmbeddedEngine:
         try:
             request = replace(request, sampling=s)
             adaptive = fixed is None
+            # Quality 0 may skip the target unless a benchmark pins every row's N (planner.force).
+            planner = self.scheduler.models.planner if self.scheduler is not None else None
             return Row(
                 request, sink, fixed or 0, self.tokenizer, self.eos_ids, adaptive=adaptive,
                 p_when_undrafted=adaptive and c.p_when_undrafted,
+                allow_draft_only=adaptive and planner is not None and planner.force is None,
             )  # fmt: skip
         except ValueError as exc:  # e.g. Policy parameter ranges
             raise EngineError(str(exc), "invalid_request") from exc

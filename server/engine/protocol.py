@@ -137,6 +137,9 @@ class SpecStats:
     # Rounds without drafts of a w < 1 request whose token came from p, not ν: drafting did not
     # pay there and the planner fell back to plain decoding (draft_length.py, "from p").
     target_only_rounds: int = 0
+    # Tokens drawn from the draft alone: quality 0 (a static w = 0, where ν = q) never runs the
+    # target (`draft_only.py`); such tokens are neither proposed nor verified.
+    draft_only_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float | None:

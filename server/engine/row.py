@@ -3,7 +3,8 @@
 Terms
     seq     prompt + generated token ids so far.
     tlen    target cache length: positions of `seq` whose keys/values the target holds. Always
-            `len(seq) - 1` between steps: the last token is the *pending* input of the next verify.
+            `len(seq) - 1` between steps: the last token is the *pending* input of the next verify
+            (0 for `draft_only` rows: the target never runs for them).
     dlen    draft cache length; between steps `len(seq) - dlen` (the draft's lag) is 1, 2 when
             every draft of the last round was accepted without a bonus step (the draft had not
             consumed its own last proposal), or more after rounds without drafts.
@@ -11,6 +12,10 @@ Terms
     p_when_undrafted  an adaptive row whose rounds without drafts draw from p, not ν (the engine's
             `p_when_undrafted`): where the planner finds drafting does not pay, ν would cost a draft
             step per token (`draft_length.py`, "from p"). `from_p`: this round is such a round.
+    draft_only  quality 0 (a static w = 0): ν = q, so the target is never needed. The row decodes
+            from the draft alone (`draft_only.py`): no target prefill, no target forward, no
+            verification. Only adaptive rows the engine may schedule freely (`allow_draft_only`);
+            a pinned N (per request, engine-wide, a benchmark's sweep) keeps the speculative path.
     adaptive   N is chosen each round by the draft-length policy (`draft_length.py`); otherwise
             `num_draft` is fixed (a per-request or engine-wide N, or 0 for autoregressive rows).
     sink    callable receiving each `GenerationChunk`, or an `Exception` that ends the stream.
@@ -49,6 +54,8 @@ class Row:
     adaptive: bool = False
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     p_when_undrafted: bool = False
+    allow_draft_only: bool = False
+    rounds: int = 0  # rounds this row has advanced in (the scheduler's fault-isolation mark)
 
     def __post_init__(self):
         s, v = self.request.sampling, self.request.verify
@@ -77,10 +84,20 @@ class Row:
             and self.policy.kind == PolicyKind.ENSEMBLE
             and (self.learned or self.weight < 1.0)
         )
+        # ν = q at w = 0 (`verifier.dial`): the draft's own samples are exactly ν's.
+        self.draft_only = (
+            self.allow_draft_only
+            and self.adaptive
+            and self.policy.kind == PolicyKind.ENSEMBLE
+            and not self.learned
+            and self.weight == 0.0
+        )
         # Prefill the draft with the prompt only if it will surely run; adaptive rows that may skip
         # it (w = 1, or p_when_undrafted) feed it when they first draft.
-        self.eager_draft = (self.needs_q and not self.p_when_undrafted) or (
-            self.num_draft > 0 and not self.adaptive
+        self.eager_draft = (
+            self.draft_only
+            or (self.needs_q and not self.p_when_undrafted)
+            or (self.num_draft > 0 and not self.adaptive)
         )
         # The latest round as `_provenance` reads it: (k, w per position, N, bonus drawn from ν).
         self.last_round: tuple[int, list[float], int, bool] = (0, [], 0, False)
@@ -112,6 +129,7 @@ class Row:
         """A round of N = `n` drafts: k accepted, `weights` the w per tested position (plus the
         bonus's w when `bonus_from_nu`: the bonus, or at N = 0 the token, was drawn from ν)."""
         self.last_round = (num_accepted, weights, n, bonus_from_nu)
+        self.rounds += 1
         st = self.stats
         st.verify_steps += 1
         if not n and self.needs_q and not bonus_from_nu:
@@ -126,6 +144,13 @@ class Row:
                 st.accepted_per_position[i] += 1
             st.weight_sum += float(sum(weights))
             st.weight_count += len(weights)
+
+    def record_draft_only(self, n: int) -> None:
+        """A draft-only round of `n` tokens drawn from q = ν (w = 0); traced as drafts with w = 0."""
+        self.last_round = (n, [0.0] * n, n, False)
+        self.rounds += 1
+        self.stats.draft_only_tokens += n
+        self.stats.weight_count += n  # w = 0 at each (weight_sum unchanged): mean w reads 0
 
     def emit_tokens(self, tokens: list[int]) -> None:
         """Append one round's tokens in order (its k accepted drafts, then the correction or bonus;

@@ -14,7 +14,8 @@ batch; fixed rows (a per-request num_draft, autoregressive requests) keep theirs
 
 Grouping: rows with different N (including N = 0) run as separate rounds within the same step.
 Mixing them into one target forward would pad every N = 0 row to N+1 positions; separate rounds
-cost one extra forward instead, which the planner prices in when it picks the Ns.
+cost one extra forward instead, which the planner prices in when it picks the Ns. Quality-0 rows
+that decode from the draft alone (`draft_only.py`) form groups of their own.
 
 Slots are handed out lowest-first so that a busy batch usually occupies `0..R-1` and the KV cache
 read is a view rather than a gather.
@@ -42,6 +43,7 @@ from collections.abc import Callable
 
 import torch
 
+from server.engine.draft_only import run_draft_only_round
 from server.engine.protocol import EngineError
 from server.engine.round_timers import StepTimers
 from server.engine.row import Row
@@ -173,10 +175,10 @@ class Scheduler:
         if planner is not None:
             with self.timers.phase("plan", self.models.device):
                 planner.assign(live)
-        groups: dict[int, list[Row]] = {}
+        groups: dict[tuple[bool, int], list[Row]] = {}
         for row in live:
-            groups.setdefault(row.num_draft, []).append(row)
-        for n, rows in sorted(groups.items()):
+            groups.setdefault((row.draft_only, row.num_draft), []).append(row)
+        for (_, n), rows in sorted(groups.items()):
             self._round(rows, n, planner.predict(rows, n) if planner is not None else None)
         for row in list(self._running):
             if row.cancelled or row.done:
@@ -202,17 +204,17 @@ class Scheduler:
     def _round(self, rows: list[Row], n: int, predicted: tuple[float, float] | None = None) -> None:
         """`run_round`, isolating faults (module doc); `predicted`: the planner's (live, profile)
         seconds for this round, compared with the measured time when the round succeeds."""
-        marks = [(row.stats.verify_steps, row.generator.get_state()) for row in rows]
+        marks = [(row.rounds, row.generator.get_state()) for row in rows]
         try:
-            seconds = run_round(self.models, rows, n, self.timers)
+            seconds = _run(self.models, rows, n, self.timers)
             if predicted is not None:
                 self.timers.record_prediction(seconds, *predicted)
             return
         except Exception as exc:
             error = exc
-        advanced = [row for row, mark in zip(rows, marks, strict=True) if row.stats.verify_steps != mark[0]]
+        advanced = [row for row, mark in zip(rows, marks, strict=True) if row.rounds != mark[0]]
         for row, (steps, state) in zip(rows, marks, strict=True):
-            if row.stats.verify_steps == steps:
+            if row.rounds == steps:
                 row.generator.set_state(state)  # as if the round had not drawn its coins
         if advanced:  # `advance` raised on its last row; the unadvanced ones go next step
             self._isolated([(advanced[-1], error)], survivors=len(advanced) - 1)
@@ -223,9 +225,9 @@ class Scheduler:
         failed = []
         for row, (steps, state) in zip(rows, marks, strict=True):
             try:
-                run_round(self.models, [row], n, self.timers)
+                _run(self.models, [row], n, self.timers)
             except Exception as exc:
-                if row.stats.verify_steps == steps:
+                if row.rounds == steps:
                     row.generator.set_state(state)
                 failed.append((row, exc))
         self._isolated(failed, survivors=len(rows) - len(failed))
@@ -269,3 +271,9 @@ class Scheduler:
             with self._cv:
                 self._free.append(slot)
                 self._free.sort()
+
+
+def _run(models: Models, rows: list[Row], n: int, timers: StepTimers) -> float:
+    """One round of a group: the draft alone for quality-0 rows (`draft_only.py`), else speculative."""
+    runner = run_draft_only_round if rows[0].draft_only else run_round
+    return runner(models, rows, n, timers)

@@ -361,13 +361,15 @@ _PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward (bounds
 @torch.inference_mode()
 def prefill(models: Models, rows: list[Row]) -> None:
     """Fill the caches with each row's `prompt[:-1]` (the last prompt token is the first round's
-    pending input). Rows admitted together share one right-padded forward per model: padding
-    lands past each row's length, where it is masked out and later overwritten."""
+    pending input): the target's unless the row decodes from the draft alone, the draft's when
+    the row will surely draft (`Row.eager_draft`). Rows admitted together share one right-padded
+    forward per model: padding lands past each row's length, where it is masked out and later
+    overwritten."""
     dev = models.device
     todo = [row for row in rows if len(row.seq) > 1]
     for row in rows:
-        row.tlen = len(row.seq) - 1
-        row.dlen = row.tlen if row.eager_draft else 0  # a lazy draft catches up when it first runs
+        row.tlen = 0 if row.draft_only else len(row.seq) - 1  # quality 0 never runs the target
+        row.dlen = len(row.seq) - 1 if row.eager_draft else 0  # a lazy draft catches up when it first runs
     todo.sort(key=lambda row: len(row.seq))
     while todo:
         group = [todo.pop()]  # longest first; add rows while the padded batch fits the budget
@@ -378,8 +380,12 @@ def prefill(models: Models, rows: list[Row]) -> None:
         tokens = torch.tensor(padded, dtype=torch.long, device=dev)  # [R, P]
         slots = torch.tensor([row.slot for row in group], device=dev)  # [R]
         starts = torch.zeros(len(group), dtype=torch.long, device=dev)  # [R]
-        models.target(tokens, slots, starts, models.target_cache)
-        spec = [i for i, row in enumerate(group) if row.eager_draft]
-        if spec:
-            idx = torch.tensor(spec, device=dev)
-            models.draft(tokens[idx], slots[idx], starts[idx], models.draft_cache)
+        for model, cache, wanted in (
+            (models.target, models.target_cache, [not row.draft_only for row in group]),
+            (models.draft, models.draft_cache, [row.eager_draft for row in group]),
+        ):
+            if all(wanted):
+                model(tokens, slots, starts, cache)
+            elif any(wanted):
+                idx = torch.tensor([i for i, x in enumerate(wanted) if x], device=dev)
+                model(tokens[idx], slots[idx], starts[idx], cache)

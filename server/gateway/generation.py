@@ -195,6 +195,7 @@ class Tracker:
             s.weight_count += st.weight_count
             s.verify_steps += st.verify_steps
             s.target_only_rounds += st.target_only_rounds
+            s.draft_only_tokens += st.draft_only_tokens
             for pos, count in enumerate(st.accepted_per_position):
                 if pos == len(s.accepted_per_position):
                     s.accepted_per_position.append(0)
@@ -215,6 +216,7 @@ class Tracker:
             "mean_accepted_length": s.mean_accepted_length,
             "verify_steps": s.verify_steps,
             "target_only_rounds": s.target_only_rounds,
+            "draft_only_tokens": s.draft_only_tokens,
             "accepted_per_position": s.accepted_per_position,
         }
 

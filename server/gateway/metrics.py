@@ -8,6 +8,7 @@ Speculative counters (vLLM semantics; a "draft" is one proposal round):
     dialspec:spec_decode_num_draft_tokens_total{tier}
     dialspec:spec_decode_num_accepted_tokens_total{tier}
     dialspec:spec_decode_num_accepted_tokens_per_pos_total{position}
+    dialspec:draft_only_tokens_total{tier}   tokens from the draft alone (quality 0: no target)
 
 Useful PromQL:
     acceptance rate (accepted / proposed draft tokens), per tier:
@@ -19,6 +20,8 @@ Useful PromQL:
     acceptance at draft position i (conditional on reaching it, vLLM style):
         rate(dialspec:spec_decode_num_accepted_tokens_per_pos_total{position="i"}[5m])
       / sum(rate(dialspec:spec_decode_num_drafts_total[5m]))
+    share of all generated tokens served by the draft alone:
+        sum(rate(dialspec:draft_only_tokens_total[5m])) / sum(rate(dialspec:generation_tokens_total[5m]))
     p99 time to first token:
         histogram_quantile(0.99, sum by (le) (rate(dialspec:time_to_first_token_seconds_bucket[5m])))
 
@@ -105,6 +108,12 @@ class GatewayMetrics:
         self.generation_tokens = Counter(
             p + "generation_tokens", "Completion tokens generated.", ["tier"], registry=r
         )
+        self.draft_only_tokens = Counter(
+            p + "draft_only_tokens",
+            "Tokens drawn from the draft alone (quality 0, w = 0: the target does not run).",
+            ["tier"],
+            registry=r,
+        )
         self.prompt_tokens_total = Counter(p + "prompt_tokens", "Prompt tokens processed.", registry=r)
         self.success = Counter(
             p + "request_success", "Finished sequences by finish reason.", ["finish_reason"], registry=r
@@ -128,6 +137,8 @@ class GatewayMetrics:
         self.generation_tokens.labels(tier=tier).inc(completion_tokens)
         if stats is None:
             return
+        if stats.draft_only_tokens:
+            self.draft_only_tokens.labels(tier=tier).inc(stats.draft_only_tokens)
         if stats.drafts:
             self.num_drafts.labels(tier=tier).inc(stats.drafts)
             self.num_draft_tokens.labels(tier=tier).inc(stats.draft_tokens)

@@ -20,7 +20,9 @@ class DialspecStats(BaseModel):
     policy: str = Field(description="verifier policy, or 'autoregressive'")
     tier: str = Field(description="tier name, 'custom' for a numeric quality, 'auto', 'autoregressive'")
     quality: float | None
-    mean_w: float | None = Field(description="mean ensemble weight applied per verified position")
+    mean_w: float | None = Field(
+        description="mean ensemble weight applied per verified position (and per draft-only token, w = 0)"
+    )
     drafts: int = Field(description="verify rounds that proposed draft tokens")
     draft_tokens: int
     accepted_tokens: int
@@ -31,6 +33,11 @@ class DialspecStats(BaseModel):
         0,
         description="rounds without drafts whose token came from the target's p, not ν: where drafting "
         "cannot pay, a w < 1 request falls back to plain decoding (never slower than quality 1)",
+    )
+    draft_only_tokens: int = Field(
+        0,
+        description="tokens drawn from the draft alone: at quality 0 (w = 0) ν is the draft's own "
+        "distribution, so the target does not run (no proposals, no verification)",
     )
     accepted_per_position: list[int] = Field(
         description="index i: rounds whose draft at position i was accepted (divide by drafts for the "
