@@ -28,7 +28,7 @@ def engine(tiny_pair):
 
 
 def request(rid: str, seed: int, **sampling) -> GenerationRequest:
-    opts = {"temperature": 1.0, "max_tokens": MAX_TOKENS, "seed": seed, **sampling}
+    opts = {"temperature": 1.0, "max_tokens": MAX_TOKENS, "seed": seed, "ignore_eos": True, **sampling}
     return GenerationRequest(rid, (5, 6, 7, 8 + seed), SamplingOptions(**opts))
 
 

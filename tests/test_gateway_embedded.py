@@ -130,12 +130,14 @@ def test_metrics_lower_quality_raises_acceptance(served, client):
 
     Why the test is sound: per draft position acceptance is 1 - w*TV(p, q) (docs/algorithm.md),
     so for any pair with TV > 0 the expected rate is strictly decreasing in w. Each request's rate is
-    a mean of bounded indicators; with K = 8 requests per arm the difference of means over its
+    a mean of bounded indicators; with K = 8 requests per arm (at least 6 reach a drafting round;
+    one that ends on its first token has no rate) the difference of means over its
     standard error (Welch) is approximately normal, and we require z > 3 (one-sided false-alarm
     rate ~0.1% if the engine ignored w). Seeds are fixed, so the outcome is also reproducible."""
     srv, _ = served
     before = _scrape(srv.url)
     rates: dict[str, list[float]] = {"lite": [], "exact": []}
+    mean_ws: list[float] = []
     sums = {tier: {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0} for tier in rates}
     for tier in rates:
         for seed in range(8):
@@ -143,7 +145,9 @@ def test_metrics_lower_quality_raises_acceptance(served, client):
                 model=f"{NAME}:{tier}", prompt=f"Question {seed}:", max_tokens=24, seed=seed, temperature=1.0
             )
             ds = r.model_extra["dialspec"]
-            rates[tier].append(ds["acceptance_rate"])
+            if ds["acceptance_rate"] is not None:  # None: it ended (EOS) before its first round
+                rates[tier].append(ds["acceptance_rate"])
+                mean_ws.append(ds["mean_w"])
             for key in sums[tier]:
                 sums[tier][key] += ds[key]
     after = _scrape(srv.url)
@@ -161,8 +165,9 @@ def test_metrics_lower_quality_raises_acceptance(served, client):
         )
         assert delta("dialspec:e2e_request_latency_seconds_count", tier=tier) == 8
         assert delta("dialspec:time_to_first_token_seconds_count", tier=tier) == 8
-    assert delta("dialspec:ensemble_weight_count") == 16
-    assert delta("dialspec:ensemble_weight_sum") == pytest.approx(8 * 0.25 + 8 * 1.0)
+    assert all(len(r) >= 6 for r in rates.values())
+    assert delta("dialspec:ensemble_weight_count") == len(mean_ws)
+    assert delta("dialspec:ensemble_weight_sum") == pytest.approx(sum(mean_ws))
     per_pos = sum(
         delta("dialspec:spec_decode_num_accepted_tokens_per_pos_total", position=i) for i in range(4)
     )

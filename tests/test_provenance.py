@@ -165,11 +165,14 @@ def _check_trace(trace, text, usage, stats):
             assert last["position"] < last["num_draft"]
         elif last["source"] == "bonus":
             assert last["position"] == last["num_draft"]
+        elif last["source"] == "target":  # a round without drafts, drawn from p
+            assert last["num_draft"] == 0 and len(rnd) == 1
         else:  # only the final round may be cut short (max_tokens, stop)
             assert last["source"] == "draft" and i == len(rounds) - 1
     accepted = sum(t["source"] == "draft" for t in trace)
+    assert len(rounds) == stats["verify_steps"]
     if stats["drafts"]:
-        assert len(rounds) == stats["drafts"]
+        assert sum(1 for rnd in rounds if rnd[0]["num_draft"]) == stats["drafts"]
         # emitted drafts = accepted, but for the last round's drafts cut off by max_tokens/stop
         assert 0 <= stats["accepted_tokens"] - accepted < N
     return rounds
@@ -182,9 +185,12 @@ def test_trace_agrees_with_the_response(client, quality):
     choice, stats = r.choices[0], r.model_extra["dialspec"]
     trace = choice.model_extra["dialspec_trace"]
     _check_trace(trace, choice.message.content, r.usage, stats)
-    for t in trace:
+    # The first token comes with the prefill (N = 0): from ν as a bonus at w < 1, from p at w = 1.
+    first, *rest = trace
+    assert first["num_draft"] == 0 and all(t["num_draft"] == N for t in rest)
+    assert (first["source"], first["w"]) == (("target", None) if quality == 1 else ("bonus", quality))
+    for t in rest:
         assert t["w"] == quality  # every position, the bonus included (drawn from ν)
-        assert t["num_draft"] == N
     if quality == 0:  # w = 0 accepts every draft: nothing is ever corrected
         assert {t["source"] for t in trace} <= {"draft", "bonus"}
 

@@ -285,7 +285,10 @@ class EmbeddedEngine:
         engine is broken."""
         token = min(self.eos_ids, default=0)
         request = GenerationRequest(
-            "engine-probe", (token, token), SamplingOptions(temperature=0, max_tokens=1)
+            "engine-probe",
+            (token, token),
+            # one token from the prefill, then one full round of N drafts
+            SamplingOptions(temperature=0, max_tokens=self.info.num_draft + 2, ignore_eos=True),
         )
         return Row(request, lambda _item: None, self.info.num_draft, self.tokenizer, self.eos_ids)
 

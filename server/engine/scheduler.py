@@ -21,7 +21,8 @@ Slots are handed out lowest-first so that a busy batch usually occupies `0..R-1`
 read is a view rather than a gather.
 
 Fault isolation: an exception while prefilling or stepping fails only the rows that cause it.
-    prefill   retried row by row; a row whose own prefill raises is failed.
+    prefill   (with each row's first token, `prefill.py`) retried row by row for the rows that
+              have not drawn their first token; a row whose own prefill raises is failed.
     round     `run_round` changes a row's state only in its last stage (`advance`, row by row, in
               order) apart from drawing its coins; the coins are put back from a snapshot of each
               row's generator. If some rows had advanced, the last of them raised (the rest run
@@ -44,10 +45,11 @@ from collections.abc import Callable
 import torch
 
 from server.engine.draft_only import run_draft_only_round
+from server.engine.prefill import prefill
 from server.engine.protocol import EngineError
 from server.engine.round_timers import StepTimers
 from server.engine.row import Row
-from server.engine.step import Models, prefill, run_round
+from server.engine.step import Models, run_round
 
 log = logging.getLogger("dialspec.engine")
 
@@ -186,18 +188,33 @@ class Scheduler:
 
     # -- fault isolation ---------------------------------------------------------------------
     def _prefill(self, rows: list[Row]) -> None:
+        """`prefill` (which also draws each row's first token), isolating faults like `_round`:
+        the forwards only write each row's own slot and set its lengths, so a row that has not
+        advanced (drawn its first token) can be prefilled again alone."""
+        marks = [(row.rounds, row.generator.get_state()) for row in rows]
         try:
             prefill(self.models, rows)
             return
         except Exception as exc:
-            if len(rows) == 1:
-                self._isolated([(rows[0], exc)], survivors=0)
-                return
-        failed = []  # prefill only writes each row's own slot and sets its lengths: safe to redo
-        for row in rows:
+            error = exc
+        advanced = [row for row, mark in zip(rows, marks, strict=True) if row.rounds != mark[0]]
+        todo = []
+        for row, (rounds, state) in zip(rows, marks, strict=True):
+            if row.rounds == rounds:
+                row.generator.set_state(state)  # as if its first token's coin had not been drawn
+                todo.append(row)
+        if advanced:  # `advance` raised on its last row; the others are prefilled again alone
+            self._isolated([(advanced[-1], error)], survivors=len(advanced) - 1 + len(todo))
+        elif len(rows) == 1:
+            self._isolated([(rows[0], error)], survivors=0)
+            return
+        failed = []
+        for row in todo:
             try:
                 prefill(self.models, [row])
             except Exception as exc:
+                if row.rounds == marks[rows.index(row)][0]:
+                    row.generator.set_state(marks[rows.index(row)][1])
                 failed.append((row, exc))
         self._isolated(failed, survivors=len(rows) - len(failed))
 
@@ -265,7 +282,8 @@ class Scheduler:
         row.slot = slot
         try:
             prefill(self.models, [row])
-            run_round(self.models, [row], row.num_draft, self.timers)
+            if not row.done:
+                run_round(self.models, [row], row.num_draft, self.timers)
         finally:
             row.slot = -1
             with self._cv:

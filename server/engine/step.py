@@ -275,7 +275,7 @@ def check(b: RoundBatch, d: Drafts, s: Scores, weights) -> Outcome:
     return out
 
 
-def _wants_q(row: Row) -> bool:
+def wants_q(row: Row) -> bool:
     """The row draws its bonus (at N = 0: its token) from ν this round (see `Row.from_p`)."""
     return row.needs_q and not row.from_p
 
@@ -285,7 +285,7 @@ def bonus(models: Models, b: RoundBatch, d: Drafts, s: Scores, out: Outcome) -> 
     last token from ν at position N+1 with the same coin: one more draft step gives q there (it
     feeds x_N, or at N = 0 the pending tokens). w = 1 rows keep their p draw (ν = p)."""
     n = b.n
-    idx = [i for i, row in enumerate(b.rows) if _wants_q(row) and out.num_accepted[i] == n]
+    idx = [i for i, row in enumerate(b.rows) if wants_q(row) and out.num_accepted[i] == n]
     out.bonus_rows = idx
     if not idx:
         return
@@ -343,7 +343,7 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> fl
         with timers.phase("verify_call", dev):
             weights, per_position = ensemble_weights(models, batch, drafts, scores)
             out = check(batch, drafts, scores, weights)
-        if any(_wants_q(row) for row in rows):
+        if any(wants_q(row) for row in rows):
             with timers.phase("bonus", dev, count=0):
                 bonus(models, batch, drafts, scores, out)
             timers.bonus_steps += bool(out.bonus_rows)
@@ -353,39 +353,3 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> fl
     if models.planner is not None:
         models.planner.learn(batch, out, last)
     return last["round"]
-
-
-_PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward (bounds the [R, P, P] mask)
-
-
-@torch.inference_mode()
-def prefill(models: Models, rows: list[Row]) -> None:
-    """Fill the caches with each row's `prompt[:-1]` (the last prompt token is the first round's
-    pending input): the target's unless the row decodes from the draft alone, the draft's when
-    the row will surely draft (`Row.eager_draft`). Rows admitted together share one right-padded
-    forward per model: padding lands past each row's length, where it is masked out and later
-    overwritten."""
-    dev = models.device
-    todo = [row for row in rows if len(row.seq) > 1]
-    for row in rows:
-        row.tlen = 0 if row.draft_only else len(row.seq) - 1  # quality 0 never runs the target
-        row.dlen = len(row.seq) - 1 if row.eager_draft else 0  # a lazy draft catches up when it first runs
-    todo.sort(key=lambda row: len(row.seq))
-    while todo:
-        group = [todo.pop()]  # longest first; add rows while the padded batch fits the budget
-        while todo and (len(group) + 1) * (len(group[0].seq) - 1) <= _PREFILL_TOKEN_BUDGET:
-            group.append(todo.pop())
-        width = len(group[0].seq) - 1
-        padded = [row.seq[:-1] + [0] * (width - len(row.seq) + 1) for row in group]
-        tokens = torch.tensor(padded, dtype=torch.long, device=dev)  # [R, P]
-        slots = torch.tensor([row.slot for row in group], device=dev)  # [R]
-        starts = torch.zeros(len(group), dtype=torch.long, device=dev)  # [R]
-        for model, cache, wanted in (
-            (models.target, models.target_cache, [not row.draft_only for row in group]),
-            (models.draft, models.draft_cache, [row.eager_draft for row in group]),
-        ):
-            if all(wanted):
-                model(tokens, slots, starts, cache)
-            elif any(wanted):
-                idx = torch.tensor([i for i, x in enumerate(wanted) if x], device=dev)
-                model(tokens[idx], slots[idx], starts[idx], cache)
