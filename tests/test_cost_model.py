@@ -53,6 +53,16 @@ def test_a_longer_forward_never_reads_cheaper_than_a_shorter_one():
     assert m.time("score", 1, 2) < pooled
 
 
+def test_draft_only_rounds_are_priced_by_their_own_steps_once_seen():
+    m = CostModel()
+    m.set("draft", 2, 1, 0.004)
+    m.set("other", 2, 0, 0.001)
+    assert m.draft_only_round_time(2, 8) == pytest.approx(8 * 0.004 + 0.001)  # none seen: draft steps
+    m.observe("draft_only", 2, 1, 0.0025)
+    assert m.draft_only_round_time(2, 8) == pytest.approx(8 * 0.0025 + 0.001)
+    assert m.round_time(2, 3) == pytest.approx(3 * 0.004 + 0.001)  # speculative rounds unchanged
+
+
 def test_observations_average_then_track():
     m = CostModel()
     for s in (1.0, 3.0):

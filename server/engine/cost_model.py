@@ -12,6 +12,10 @@ Terms
       score     one target forward over T tokens per row and its transform: t_score(R, T)
       check     ensemble weights, `verifier.verify`, results to the host: t_check(R, n)
       other     the rest of a round (batch assembly, advancing rows, detokenising): t_other(R)
+      draft_only one step of a draft-only round (quality 0, `draft_only.py`): the draft alone in a
+                tight loop, which on a small pair keeps its weights in cache and runs faster than
+                a draft step between target forwards (the embedded pair: 1.35 vs 2.2 ms at R = 8);
+                learned from those rounds only, `draft` until one has run
     bonus       the expected number of bonus draft steps in a round (0..1): rows whose bonus is
                 drawn from ν (w < 1) need the draft's q after the last proposal, which costs one
                 more draft step when all n drafts were accepted, and always at n = 0.
@@ -43,7 +47,7 @@ import torch
 if TYPE_CHECKING:
     from server.engine.step import Models
 
-KINDS = ("draft", "score", "check", "other")
+KINDS = ("draft", "score", "check", "other", "draft_only")
 _EMA = 0.1  # weight of a new observation once an entry has 10 (a ~10-round memory)
 _CACHED_COUNT = 3  # a cached entry counts as 3 observations: this host's rounds soon outweigh it
 FORMAT = "dialspec-cost-model/1"
@@ -145,6 +149,11 @@ class CostModel:
             + self.time("other", r, 0)
         )
 
+    def draft_only_round_time(self, r: int, n: int) -> float:
+        """Predicted seconds of a draft-only round: n draft steps and the round's fixed part."""
+        step = self.time("draft_only", r, 1) or self.time("draft", r, 1)
+        return n * step + self.time("other", r, 0)
+
     # -- writing ---------------------------------------------------------------------------
     def set(self, kind: str, r: int, t: int, seconds: float, count: int = 1) -> None:
         if kind not in KINDS:
@@ -196,6 +205,8 @@ class CostModel:
                 r: [ms(self.time("check", r, n)) for n in range(max_num_draft + 1)] for r in batch_sizes
             },
             "other_ms": {r: ms(self.time("other", r, 0)) for r in batch_sizes},
+            # 0 until a draft-only round has run (its rounds are priced with the draft step till then)
+            "draft_only_step_ms": {r: ms(self.time("draft_only", r, 1)) for r in batch_sizes},
             "measured_points": len(self.entries),
         }
 

@@ -337,7 +337,7 @@ class DraftPlanner:
         """(live model, start-up profile) predictions of one round of `rows` at draft length n."""
         if rows[0].draft_only:  # n draft steps and the round's fixed part; no target, no check
             r = len(rows)
-            return tuple(m.time("draft", r, 1) * n + m.time("other", r, 0) for m in (self.cost, self.profile))
+            return self.cost.draft_only_round_time(r, n), self.profile.draft_only_round_time(r, n)
         choices = [self.row_choice(row) for row in rows]
         bonus = _bonus_steps([c.beta for c in choices if _needs_q(c, n)], n)
         return self.cost.round_time(len(rows), n, bonus), self.profile.round_time(len(rows), n, bonus)
@@ -346,7 +346,7 @@ class DraftPlanner:
         """After a draft-only round: its draft steps and the rest into the cost model."""
         r, n = batch.size, batch.n
         if not batch.caught_up:
-            self.cost.observe("draft", r, 1, seconds["draft"] / n)
+            self.cost.observe("draft_only", r, 1, seconds["draft"] / n)
         self.cost.observe("other", r, 0, max(seconds["round"] - seconds["draft"], 0.0))
 
     def learn(self, batch, out, seconds: dict) -> None:
