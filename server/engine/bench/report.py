@@ -116,9 +116,11 @@ def check_targets(rows: list[BenchRow], meta: dict) -> dict:
     bandwidth = meta.get("bandwidth") or {}
     # A real-size target's target: a few-MB model is bound by per-op overhead, not bandwidth.
     real_size = bandwidth.get("weight_bytes", 0) >= REAL_SIZE_BYTES
-    if ar1 is not None and bandwidth.get("limit_tokens_per_s") and real_size:
-        out["engine AR c=1 / memory-bandwidth limit"] = _target(
-            ar1.tokens_per_s / bandwidth["limit_tokens_per_s"],
+    if ar1 is not None and bandwidth.get("limit_tokens_per_s") and real_size and ar1.decode_tokens_per_s:
+        # The limit is per decoded token (one pass over the weights each): decode tok/s, since a
+        # prompt prefill reads the weights once for many tokens and is compute-bound instead.
+        out["engine AR c=1 decode / memory-bandwidth limit"] = _target(
+            ar1.decode_tokens_per_s / bandwidth["limit_tokens_per_s"],
             AR_BANDWIDTH_FRACTION,
             note=f"limit {bandwidth['limit_tokens_per_s']:.1f} tok/s",
         )
