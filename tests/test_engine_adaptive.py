@@ -101,9 +101,10 @@ def test_quality_zero_decodes_from_the_draft_alone(engine):
     assert calls == []
     assert all(s.draft_only_tokens == 20 and s.verify_steps == s.draft_tokens == 0 for s in stats)
     assert all(s.mean_weight == 0.0 for s in stats)
-    predicted = models.planner.predict([_Row()], max_n)
     cost = models.planner.cost
-    assert predicted[0] == pytest.approx(max_n * cost.time("draft", 1, 1) + cost.time("other", 1, 0))
+    assert any(kind == "draft_only" for kind, _, _ in cost.entries)  # learned from these rounds
+    predicted = models.planner.predict([_Row()], max_n)
+    assert predicted[0] == pytest.approx(max_n * cost.time("draft_only", 1, 1) + cost.time("other", 1, 0))
 
 
 class _Row:
@@ -167,3 +168,25 @@ def test_catch_up_near_the_context_end_stays_inside_the_draft_cache(tiny_pair):
         torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-4)
     finally:
         asyncio.run(eng.stop())
+
+
+@pytest.mark.parametrize("from_prefill", [True, False])
+def test_first_token_comes_with_the_prefill_unless_disabled(tiny_pair, from_prefill):
+    """Default: the first token is drawn from the prefill's last position (a round without drafts;
+    one target forward fewer per request). Disabled (what eval and training use): the first round
+    drafts it, so every position goes through the request's own verification rule."""
+    eng = EmbeddedEngine(
+        EmbeddedEngineConfig(
+            *tiny_pair, num_draft=3, max_batch=2, max_context=96, profile_budget_s=0.3,
+            first_token_from_prefill=from_prefill,
+        )
+    )  # fmt: skip
+    eng.start_sync()
+    try:
+        stats = _run(eng, weight=0.5, n=2, max_tokens=12)
+        timers = eng.scheduler.timers
+    finally:
+        asyncio.run(eng.stop())
+    assert all(s.drafts == s.verify_steps - from_prefill for s in stats)
+    assert all(s.draft_tokens == 3 * s.drafts for s in stats)
+    assert timers.rounds == max(s.verify_steps for s in stats) - from_prefill  # both rows in each round

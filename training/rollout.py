@@ -49,6 +49,8 @@ def rollout_engine(cfg, head=None) -> EmbeddedEngine:
             head=head,
             dtype=dtype,
             cache_dir=default_cache_dir() if dtype == "auto" else None,
+            # every generated position verified by the method under test, position 1 included
+            first_token_from_prefill=False,
         )
     )
 

@@ -78,6 +78,12 @@ class EmbeddedEngineConfig:
     # draft step per token: exactly ν everywhere, but such a tier is then slower than plain
     # decoding wherever drafting cannot pay (docs/algorithm.md, "Rounds without drafts").
     p_when_undrafted: bool = True
+    # Each request's first token from its prompt prefill's last position (an N = 0 round: from p,
+    # or from ν for rows that draw from ν there), saving a target forward per request. False: the
+    # first round drafts it like any other position, so every generated position is verified by
+    # the request's own rule — what `dialspec eval` and training compare methods on (a baseline
+    # policy has no rule without a draft and would get p's token at position 1 for free).
+    first_token_from_prefill: bool = True
     profile_budget_s: float = 3.0  # the start-up cost profile's time budget (cost_model.py)
     cache_dir: str | Path | None = None  # cost models and dtype choices; None = not cached
     max_waiting: int = 256  # queue bound; beyond it requests get EngineError 'capacity'
@@ -197,6 +203,7 @@ class EmbeddedEngine:
             device=device,
             head=self.head.to(device).eval() if isinstance(self.head, torch.nn.Module) else self.head,
             num_threads=threads,
+            first_token_from_prefill=c.first_token_from_prefill,
         )
         cost = load_or_profile(models, c.max_batch, c.max_num_draft, c.profile_budget_s, cache_dir)
         models.planner = DraftPlanner(cost, c.max_num_draft, max_batch=c.max_batch)

@@ -40,10 +40,12 @@ def prefill(models: Models, rows: list[Row]) -> None:
     or by the first token's bonus step for rows that draw it from ν. Rows that decode from the draft
     alone skip the target; their first token comes from their first draft-only round. Rows admitted
     together share one right-padded forward per model: padding lands past each row's length, where
-    it is masked out and later overwritten."""
+    it is masked out and later overwritten. With `first_token_from_prefill` off, the target reads
+    `prompt[:-1]` too and the first round drafts the first token."""
     dev = models.device
+    whole = models.first_token_from_prefill  # else the target reads prompt[:-1] and no token is drawn
     for row in rows:
-        row.tlen = 0 if row.draft_only else len(row.seq)  # quality 0 never runs the target
+        row.tlen = 0 if row.draft_only else len(row.seq) - (not whole)  # quality 0 never runs the target
         row.dlen = len(row.seq) - 1 if row.eager_draft else 0  # a lazy draft catches up when it first runs
     todo = sorted(rows, key=lambda row: len(row.seq))
     last_states: dict[int, torch.Tensor] = {}  # id(row) -> the target's state at its last prompt token
@@ -62,7 +64,11 @@ def prefill(models: Models, rows: list[Row]) -> None:
             t, sl, st = _select(drafted, tokens, slots, starts)
             models.draft(t[:, :-1], sl, st, models.draft_cache)
         targeted = [i for i, row in enumerate(group) if not row.draft_only]
-        if targeted:
+        if targeted and not whole:
+            if width > 1:
+                t, sl, st = _select(targeted, tokens, slots, starts)
+                models.target(t[:, :-1], sl, st, models.target_cache)
+        elif targeted:
             t, sl, st = _select(targeted, tokens, slots, starts)
             hidden = models.target(t, sl, st, models.target_cache)  # [R', P, Ht]
             for j, i in enumerate(targeted):

@@ -53,6 +53,7 @@ class Models:
     head: WeightHead | None = None
     num_threads: int | None = None  # intra-op threads for the thread running the model math
     planner: object | None = None  # `draft_length.DraftPlanner`: cost model + acceptance estimates
+    first_token_from_prefill: bool = True  # `prefill.py`; see `EmbeddedEngineConfig`
 
 
 def _param(rows: list[Row], name: str, device, dtype=torch.float32):
