@@ -188,66 +188,60 @@ class Scheduler:
 
     # -- fault isolation ---------------------------------------------------------------------
     def _prefill(self, rows: list[Row]) -> None:
-        """`prefill` (which also draws each row's first token), isolating faults like `_round`:
-        the forwards only write each row's own slot and set its lengths, so a row that has not
-        advanced (drawn its first token) can be prefilled again alone."""
-        marks = [(row.rounds, row.generator.get_state()) for row in rows]
-        try:
-            prefill(self.models, rows)
-            return
-        except Exception as exc:
-            error = exc
-        advanced = [row for row, mark in zip(rows, marks, strict=True) if row.rounds != mark[0]]
-        todo = []
-        for row, (rounds, state) in zip(rows, marks, strict=True):
-            if row.rounds == rounds:
-                row.generator.set_state(state)  # as if its first token's coin had not been drawn
-                todo.append(row)
-        if advanced:  # `advance` raised on its last row; the others are prefilled again alone
-            self._isolated([(advanced[-1], error)], survivors=len(advanced) - 1 + len(todo))
-        elif len(rows) == 1:
-            self._isolated([(rows[0], error)], survivors=0)
-            return
-        failed = []
-        for row in todo:
-            try:
-                prefill(self.models, [row])
-            except Exception as exc:
-                if row.rounds == marks[rows.index(row)][0]:
-                    row.generator.set_state(marks[rows.index(row)][1])
-                failed.append((row, exc))
-        self._isolated(failed, survivors=len(rows) - len(failed))
+        """`prefill` (which also draws each row's first token), isolating faults: the forwards only
+        write each row's own slot and set its lengths, so a row that has not advanced (drawn its
+        first token) can be prefilled again alone, at once."""
+        self._isolating(rows, lambda group: prefill(self.models, group), redo_unadvanced=True)
 
     def _round(self, rows: list[Row], n: int, predicted: tuple[float, float] | None = None) -> None:
         """`run_round`, isolating faults (module doc); `predicted`: the planner's (live, profile)
-        seconds for this round, compared with the measured time when the round succeeds."""
+        seconds for this round, compared with the measured time when the round succeeds. Rows
+        that had not advanced when a row raised in `advance` run their round next step."""
+        seconds = self._isolating(rows, lambda group: _run(self.models, group, n, self.timers))
+        if seconds is not None and predicted is not None:
+            self.timers.record_prediction(seconds, *predicted)
+
+    def _isolating(self, rows: list[Row], run, redo_unadvanced: bool = False):
+        """`run(rows)`; its result, or None after a fault, with only the rows that cause it failed.
+
+        `run` changes a row's state only in `advance` (row by row, in order; `row.rounds` marks a
+        row that advanced) apart from drawing its coins, which are put back from a snapshot of each
+        row's generator. If some rows had advanced, the last of them raised; the others are re-run
+        alone now when `redo_unadvanced`, else left for the caller's next call. Otherwise every
+        row is re-run alone: the ones that raise alone are failed, the others get exactly the
+        tokens they would have got (a row's draws depend only on its own stream)."""
         marks = [(row.rounds, row.generator.get_state()) for row in rows]
         try:
-            seconds = _run(self.models, rows, n, self.timers)
-            if predicted is not None:
-                self.timers.record_prediction(seconds, *predicted)
-            return
+            return run(rows)
         except Exception as exc:
             error = exc
+
+        def put_back(row: Row, mark: tuple) -> bool:
+            """Restore the coins of a row that has not advanced; whether it had not."""
+            if row.rounds != mark[0]:
+                return False
+            row.generator.set_state(mark[1])  # as if the call had not drawn its coins
+            return True
+
+        waiting = [(row, mark) for row, mark in zip(rows, marks, strict=True) if put_back(row, mark)]
         advanced = [row for row, mark in zip(rows, marks, strict=True) if row.rounds != mark[0]]
-        for row, (steps, state) in zip(rows, marks, strict=True):
-            if row.rounds == steps:
-                row.generator.set_state(state)  # as if the round had not drawn its coins
-        if advanced:  # `advance` raised on its last row; the unadvanced ones go next step
-            self._isolated([(advanced[-1], error)], survivors=len(advanced) - 1)
-            return
-        if len(rows) == 1:
+        if advanced:  # `advance` raised on the last row it reached
+            rest = len(waiting) if redo_unadvanced else 0
+            self._isolated([(advanced[-1], error)], survivors=len(advanced) - 1 + rest)
+            if not redo_unadvanced:
+                return None
+        elif len(rows) == 1:
             self._isolated([(rows[0], error)], survivors=0)
-            return
+            return None
         failed = []
-        for row, (steps, state) in zip(rows, marks, strict=True):
+        for row, mark in waiting:
             try:
-                _run(self.models, [row], n, self.timers)
+                run([row])
             except Exception as exc:
-                if row.rounds == steps:
-                    row.generator.set_state(state)
+                put_back(row, mark)
                 failed.append((row, exc))
         self._isolated(failed, survivors=len(rows) - len(failed))
+        return None
 
     def _isolated(self, failed: list[tuple[Row, Exception]], survivors: int) -> None:
         """Fail the rows that raised; if none of the suspects got through, check the engine."""
