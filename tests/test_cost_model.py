@@ -63,6 +63,21 @@ def test_draft_only_rounds_are_priced_by_their_own_steps_once_seen():
     assert m.round_time(2, 3) == pytest.approx(3 * 0.004 + 0.001)  # speculative rounds unchanged
 
 
+def test_catch_ups_are_priced_as_draft_tokens_until_one_is_measured():
+    """A lagging draft reads M tokens in one forward: priced at the draft's cost over M until the
+    engine has timed a catch-up, then from catch-ups alone (they never move the draft step)."""
+    m = CostModel()
+    m.set("draft", 1, 1, 0.01)
+    m.set("draft", 8, 1, 0.05)
+    assert m.time("catch_up", 4, 1) == pytest.approx(m.time("draft", 4, 1))
+    assert m.time("catch_up", 32, 1) == pytest.approx(m.time("draft", 32, 1))
+    assert m.time("catch_up", 32, 1) > 0.05  # past the largest batch: grows with M
+    m.observe("catch_up", 16, 1, 0.03)
+    m.observe("catch_up", 48, 1, 0.07)
+    assert m.time("catch_up", 32, 1) == pytest.approx(0.05)  # between its own points, over M
+    assert m.time("draft", 8, 1) == pytest.approx(0.05) and m.time("draft", 1, 1) == pytest.approx(0.01)
+
+
 def test_observations_average_then_track():
     m = CostModel()
     for s in (1.0, 3.0):

@@ -12,8 +12,10 @@ import pytest
 from server.engine.cost_model import CostModel
 from server.engine.draft_length import (
     AcceptanceEstimate,
+    DraftPlanner,
     PairAgreement,
     RowChoice,
+    catch_up_size,
     choose,
     expected_tokens,
     goodput,
@@ -124,6 +126,33 @@ def test_a_lagging_draft_is_charged_its_catch_up():
     # A row that needs q pays the catch-up at n = 0 too (its bonus step feeds the lag): no reason
     # to stop drafting.
     assert choose([RowChoice(0.9, True, catchup=0.05)], model.round_time, MAX_N)[0] > 0
+
+
+def test_a_round_that_catches_up_is_predicted_with_its_catch_up_forward():
+    """Rows whose draft is behind (lag > 2) read all but their last pending token in one padded
+    forward before drafting: the round's prediction includes it, and a round without drafts does
+    not run it."""
+    assert catch_up_size([1, 2, 10, 5]) == 2 * 9 and catch_up_size([1, 2]) == 0 and catch_up_size([]) == 0
+    model = compute_bound()
+    model.observe("catch_up", 18, 1, 0.9)
+    planner = DraftPlanner(model, MAX_N)
+    rows = [_row(lag=10), _row(lag=5), _row(lag=1)]
+    plain = planner.predict([_row(lag=1)] * 3, 2)[0]
+    assert planner.predict(rows, 2)[0] == pytest.approx(plain + 0.9)
+    assert planner.predict(rows, 0)[0] == pytest.approx(planner.predict([_row(lag=1)] * 3, 0)[0])
+
+
+def _row(lag: int):
+    """A w = 1 adaptive row as the planner reads it (duck-typed), `lag` tokens ahead of its draft."""
+    from types import SimpleNamespace
+
+    from verifier.dial import PolicyKind
+
+    return SimpleNamespace(
+        draft_only=False, adaptive=True, num_draft=0, needs_q=False, p_when_undrafted=True,
+        estimate=AcceptanceEstimate(), prior_weight=1.0, policy=SimpleNamespace(kind=PolicyKind.ENSEMBLE),
+        draft_lag=lag, tokens_left=100,
+    )  # fmt: skip
 
 
 def test_no_drafts_past_the_end_of_a_request():

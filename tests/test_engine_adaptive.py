@@ -8,6 +8,7 @@ per-request num_draft overrides it, and what the engine reports about itself.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -134,6 +135,36 @@ def test_the_planner_learns_acceptance_and_costs_from_rounds(tiny_pair):
         timers = eng.scheduler.timers
         assert timers.predicted_rounds == timers.rounds > 0
     finally:
+        asyncio.run(eng.stop())
+
+
+def test_catch_ups_are_learned_apart_from_draft_steps(tiny_pair):
+    """A w = 1 row feeds its prompt to the draft only when it first drafts (one forward over the
+    prompt, in that round's draft phase). That forward is learned as a catch-up over its M tokens;
+    the round's draft steps are learned without it. Catch-ups are slowed here by 200 ms each: a
+    draft step (< 1 ms here) learned with one in it would read > 10 ms even averaged over the
+    profile's and every later round's observations (~6 with 8 tokens at N = 2)."""
+    eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=1, max_context=96, profile_budget_s=0.3))
+    eng.start_sync()
+    try:
+        models = eng.scheduler.models
+        forward = type(models.draft).forward
+
+        def slow_catch_ups(self, tokens, *args, **kwargs):
+            if tokens.shape[1] > 2:
+                time.sleep(0.2)
+            return forward(self, tokens, *args, **kwargs)
+
+        models.draft.forward = slow_catch_ups.__get__(models.draft)
+        models.planner.force = 2
+        prompt = len(eng.encode_chat([{"role": "user", "content": "Tom has 12 apples"}]))
+        _run(eng, weight=1.0, n=1, max_tokens=8)
+        cost = models.planner.cost
+        # seq = prompt + the prefill's token, draft cache empty: all but the last pending are read
+        assert cost.entries[("catch_up", prompt, 1)].seconds >= 0.2
+        assert cost.time("draft", 1, 1) < 0.01
+    finally:
+        models.planner.force = None
         asyncio.run(eng.stop())
 
 

@@ -16,6 +16,10 @@ Terms
                 tight loop, which on a small pair keeps its weights in cache and runs faster than
                 a draft step between target forwards (the embedded pair: 1.35 vs 2.2 ms at R = 8);
                 learned from those rounds only, `draft` until one has run
+      catch_up  one draft forward over the M tokens a lagging draft has not read (rows that feed
+                the draft only when they first draft, `step._feed_pending`): learned from the
+                catch-ups rounds run, over M; until one has run, `draft`'s cost at M (a prompt's
+                worth of tokens is read in one forward, as a batch of M draft steps would be)
     bonus       the expected number of bonus draft steps in a round (0..1): rows whose bonus is
                 drawn from ν (w < 1) need the draft's q after the last proposal, which costs one
                 more draft step when all n drafts were accepted, and always at n = 0.
@@ -47,7 +51,9 @@ import torch
 if TYPE_CHECKING:
     from server.engine.step import Models
 
-KINDS = ("draft", "score", "check", "other", "draft_only")
+KINDS = ("draft", "score", "check", "other", "draft_only", "catch_up")
+# Kinds priced like another until they have entries of their own (see the module doc).
+_FALLBACK = {"draft_only": "draft", "catch_up": "draft"}
 _EMA = 0.1  # weight of a new observation once an entry has 10 (a ~10-round memory)
 _CACHED_COUNT = 3  # a cached entry counts as 3 observations: this host's rounds soon outweigh it
 FORMAT = "dialspec-cost-model/1"
@@ -71,7 +77,8 @@ class Entry:
 class CostModel:
     """Seconds per stage by (kind, R, T); `round_time` composes them into one round's time.
 
-    `T` is the target's tokens per row for `score`, n for `check`, and 1 (`draft`) or 0 (`other`)."""
+    `T` is the target's tokens per row for `score`, n for `check`, 0 for `other`, else 1; `R` is
+    the tokens M for `catch_up`."""
 
     def __init__(self, meta: dict | None = None):
         self.entries: dict[tuple[str, int, int], Entry] = {}
@@ -113,6 +120,8 @@ class CostModel:
         and never faster than proportionally to M: a cost has a fixed part and a per-token part,
         and two noisy neighbours must not extrapolate to a steep line."""
         per_batch, sizes, values = self._fit(kind)
+        if not sizes and kind in _FALLBACK:
+            return self.time(_FALLBACK[kind], r, t)
         points = per_batch.get(r)
         if points and points[0][0] <= t <= points[-1][0]:
             i = bisect_left(points, (t, -math.inf))
@@ -151,8 +160,7 @@ class CostModel:
 
     def draft_only_round_time(self, r: int, n: int) -> float:
         """Predicted seconds of a draft-only round: n draft steps and the round's fixed part."""
-        step = self.time("draft_only", r, 1) or self.time("draft", r, 1)
-        return n * step + self.time("other", r, 0)
+        return n * self.time("draft_only", r, 1) + self.time("other", r, 0)
 
     # -- writing ---------------------------------------------------------------------------
     def set(self, kind: str, r: int, t: int, seconds: float, count: int = 1) -> None:
@@ -205,8 +213,10 @@ class CostModel:
                 r: [ms(self.time("check", r, n)) for n in range(max_num_draft + 1)] for r in batch_sizes
             },
             "other_ms": {r: ms(self.time("other", r, 0)) for r in batch_sizes},
-            # 0 until a draft-only round has run (its rounds are priced with the draft step till then)
+            # the draft step until a draft-only round has run
             "draft_only_step_ms": {r: ms(self.time("draft_only", r, 1)) for r in batch_sizes},
+            # a lagging draft's catch-up forward over M tokens (the draft's cost at M until one has run)
+            "catch_up_ms": {m: ms(self.time("catch_up", m, 1)) for m in (16, 64, 256)},
             "measured_points": len(self.entries),
         }
 

@@ -26,8 +26,9 @@ Terms
     lag       tokens the draft cache is behind: rows at w = 1 feed their prompt to the draft only
               when they first draft, and fall behind while they decode without drafts. Drafting
               (or a bonus step) first feeds the lag to the draft: `catchup`, the cost of one draft
-              forward over `lag` tokens spread over the rounds the request has left, is charged
-              to the choices that need it.
+              forward over `lag` tokens (cost kind `catch_up`) spread over the rounds the request
+              has left, is charged to the choices that need it; `predict` adds the whole forward
+              to the round that runs it.
     goodput   a step's expected tokens per second, Σ_rows E(β_r, n_r) / Σ_groups round(R_g, n_g),
               one round per distinct n (the scheduler groups rows by n; `cost_model.round_time`).
 
@@ -64,6 +65,14 @@ def _log_grid(seconds: float) -> float:
         return 0.0
     k = CATCHUP_STEPS_PER_DOUBLING
     return float(f"{2.0 ** (round(k * math.log2(seconds)) / k):.4g}")
+
+
+def catch_up_size(lags: Sequence[int]) -> int:
+    """M, the tokens of the catch-up forward a drafting round runs for rows whose draft is `lag` > 2
+    tokens behind: one right-padded forward over all but each row's last pending token
+    (`step._feed_pending`), so M = (rows behind) × (longest lag − 1); 0 if none is."""
+    behind = [lag for lag in lags if lag > 2]
+    return len(behind) * (max(behind) - 1) if behind else 0
 
 
 def expected_tokens(beta: float, n: int) -> float:
@@ -301,7 +310,7 @@ class DraftPlanner:
         catchup = 0.0
         if row.draft_lag > 2:  # a forward over the lag, spread over the rounds left
             rounds_left = max(1.0, row.tokens_left / expected_tokens(beta, max(self.max_n // 2, 1)))
-            catchup = _log_grid(self.cost.time("draft", row.draft_lag, 1) / rounds_left)
+            catchup = _log_grid(self.cost.time("catch_up", row.draft_lag - 1, 1) / rounds_left)
         # Near its end a request cannot emit more than it has left; far from it, no cap, so that
         # rows of one tier form one class for the search (β on a grid for the same reason).
         cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
@@ -340,14 +349,27 @@ class DraftPlanner:
             return self.cost.draft_only_round_time(r, n), self.profile.draft_only_round_time(r, n)
         choices = [self.row_choice(row) for row in rows]
         bonus = _bonus_steps([c.beta for c in choices if _needs_q(c, n)], n)
-        return self.cost.round_time(len(rows), n, bonus), self.profile.round_time(len(rows), n, bonus)
+        m = catch_up_size([row.draft_lag for row in rows]) if n else 0  # lagging rows catch up first
+
+        def seconds(cost) -> float:
+            return cost.round_time(len(rows), n, bonus) + (cost.time("catch_up", m, 1) if m else 0.0)
+
+        return seconds(self.cost), seconds(self.profile)
 
     def learn_draft_only(self, batch, seconds: dict) -> None:
         """After a draft-only round: its draft steps and the rest into the cost model."""
         r, n = batch.size, batch.n
-        if not batch.caught_up:
-            self.cost.observe("draft_only", r, 1, seconds["draft"] / n)
+        caught_up = self._learn_catch_ups(batch)
+        self.cost.observe("draft_only", r, 1, max(seconds["draft"] - caught_up, 0.0) / n)
         self.cost.observe("other", r, 0, max(seconds["round"] - seconds["draft"], 0.0))
+
+    def _learn_catch_ups(self, batch) -> float:
+        """The round's catch-up forwards into the cost model (kind `catch_up`, by tokens M);
+        returns their seconds, which the phase that ran them (draft, or the bonus step at n = 0)
+        must not count as draft steps."""
+        for m, s in batch.catch_ups:
+            self.cost.observe("catch_up", m, 1, s)
+        return sum(s for _, s in batch.catch_ups)
 
     def learn(self, batch, out, seconds: dict) -> None:
         """After a round: the rows' acceptance, the pair's TV̂, and the stage times."""
@@ -356,10 +378,12 @@ class DraftPlanner:
             self.agreement.observe(tv)
         r, n, cost = batch.size, batch.n, self.cost
         forward = seconds.get("verify_forward" if n else "target_forward", 0.0)
-        if n and not batch.caught_up:
-            cost.observe("draft", r, 1, seconds["draft"] / n)
+        caught_up = self._learn_catch_ups(batch)  # in the draft phase if n, else in the bonus step
+        if n:
+            cost.observe("draft", r, 1, max(seconds["draft"] - caught_up, 0.0) / n)
         if out.bonus_rows:
-            cost.observe("draft", len(out.bonus_rows), 1, seconds["bonus"])
+            step = seconds["bonus"] - (0.0 if n else caught_up)
+            cost.observe("draft", len(out.bonus_rows), 1, max(step, 0.0))
         cost.observe("score", r, n + 1, forward)
         cost.observe("check", r, n, seconds["verify_call"])
         staged = sum(v for k, v in seconds.items() if k != "round")

@@ -28,6 +28,7 @@ Terms
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -80,7 +81,10 @@ class RoundBatch:
     top_p: float | torch.Tensor
     u_draft: torch.Tensor  # [R, N] the rows' coins for sampling drafts
     u_verify: torch.Tensor  # [R, N+1] their coins for the acceptance tests and the final draw
-    caught_up: bool = False  # a catch-up draft forward ran (its draft time is not a step's)
+    # Catch-up draft forwards this round ran (`_feed_pending`): (tokens M, seconds) each. Shared
+    # with `subset`s (a bonus step's catch-up is the round's); the planner learns them apart from
+    # the draft steps, whose per-step time they would otherwise inflate.
+    catch_ups: list[tuple[int, float]] = field(default_factory=list)
 
     @classmethod
     def of(cls, rows: list[Row], n: int, device: torch.device) -> RoundBatch:
@@ -162,13 +166,16 @@ def _feed_pending(models: Models, b: RoundBatch) -> torch.Tensor:
     pending = [row.seq[row.dlen :] for row in b.rows]
     lagging = [i for i, p in enumerate(pending) if len(p) > 2]
     for group in _catch_up_groups(b, pending, lagging, models.draft_cache.shape.max_seq):
+        t0 = time.perf_counter()
         sub = b.subset(group)
         width = max(len(pending[i]) - 1 for i in group)
         tokens = sub.column([pending[i][:-1] + [0] * (width - len(pending[i]) + 1) for i in group])
         models.draft(tokens, sub.slots, sub.column([b.rows[i].dlen for i in group]), models.draft_cache)
         for i in group:
             pending[i] = pending[i][-1:]
-        b.caught_up = True
+        if b.device.type == "cuda":  # timed where its kernels run (catch-ups are rare: once a request)
+            torch.cuda.synchronize(b.device)
+        b.catch_ups.append((len(group) * width, time.perf_counter() - t0))
     width = max(len(p) for p in pending)
     tokens = b.column([p + [p[-1]] * (width - len(p)) for p in pending])  # [R, T0]
     starts = b.column([len(row.seq) - len(p) for row, p in zip(b.rows, pending, strict=True)])  # [R]
