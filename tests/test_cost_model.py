@@ -140,7 +140,7 @@ def test_a_tiny_budget_still_measures_the_first_point(models):
     assert ("score", 1, 1) in m.entries
 
 
-def test_cache_is_keyed_by_shape_device_and_dtype(models, tmp_path):
+def test_cache_is_keyed_by_shape_device_dtype_and_code(models, tmp_path):
     first = load_or_profile(models, 4, 8, 0.5, tmp_path)
     path = cache_path(tmp_path, cache_key(models))
     assert path.is_file() and first.meta["source"] == "profile"
@@ -149,3 +149,4 @@ def test_cache_is_keyed_by_shape_device_and_dtype(models, tmp_path):
     assert again.time("score", 1, 1) == pytest.approx(first.time("score", 1, 1))
     key = cache_key(models)
     assert cache_path(tmp_path, key | {"dtype": "torch.bfloat16"}) != path
+    assert cache_path(tmp_path, key | {"code": "edited"}) != path  # timings of other engine code

@@ -31,11 +31,12 @@ that matter most first (batch 1 across T, then the largest batch); other points 
 over M, piecewise linearly, and extrapolated past the largest measured M (`time`). Online: every
 round's measured stage times update their entries (a running mean, then an exponential average),
 so decisions follow the host's actual speed. A model is cached as JSON per pair shape + device +
-dtype + threads (`cache_key`), so a restart skips the profile.
+dtype + threads + engine code (`cache_key`), so a restart skips the profile.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -247,8 +248,22 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.cache
+def code_digest() -> str:
+    """A digest of the engine's and the verifier's source, which is what cached timings were
+    measured with: an edit there (another kernel path, a cheaper transform) invalidates cached
+    cost models and dtype choices instead of leaving decisions measured on older code (a cached
+    dtype probe once kept float32 for a pair that runs 2x faster in bfloat16)."""
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for f in sorted([*(root / "server" / "engine").glob("*.py"), *(root / "verifier").glob("*.py")]):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def cache_key(models: Models) -> dict:
-    """What a cached model is valid for: the pair's shapes, device, dtype, threads, torch."""
+    """What a cached model is valid for: the pair's shapes, device, dtype, threads, torch, code."""
     t, d = models.target, models.draft
     return {
         "target": vars(t.args),
@@ -257,6 +272,7 @@ def cache_key(models: Models) -> dict:
         "dtype": str(t.embed.weight.dtype),
         "threads": models.num_threads or torch.get_num_threads(),
         "torch": torch.__version__,
+        "code": code_digest(),
     }
 
 

@@ -8,12 +8,15 @@ rows 2.05 s bf16 vs 1.35 s fp32). So `choose_dtype` measures it, bounded:
 
     for float32 and bfloat16, a one-layer copy of each model (same shapes, constant weights: speed
     does not depend on values) times one decoder layer and the LM head at 1 row and at max_batch
-    rows (best of 3 after a warm-up); per-token cost = layers·t_layer + t_head, target plus draft;
-    the dtype with the lower geometric mean of the batch-1 and batch-max per-token costs wins.
-    About 5 s for the Qwen2.5-1.5B/0.5B shapes on a 2-core host, a fraction of loading them.
+    rows; per-token cost = layers·t_layer + t_head, target plus draft; the dtype with the lower
+    geometric mean of the batch-1 and batch-max per-token costs wins. Each time is the best of
+    two passes in the order A B B A (two runs each, after a warm-up), so a burst of load on a
+    shared host slows both candidates or neither. About 6 s for the Qwen2.5-1.5B/0.5B shapes on a
+    2-core host, a fraction of loading them.
 
 The whole pair is then loaded once in that dtype (nothing converts per step). Decisions are cached
-as JSON next to the cost models (per shapes, device, threads, max_batch).
+as JSON next to the cost models (per shapes, device, threads, max_batch, torch and engine code:
+`cost_model.code_digest`).
 """
 
 from __future__ import annotations
@@ -72,13 +75,19 @@ def _decode_seconds(config: dict, dtype: torch.dtype, rows: tuple[int, ...], rep
     return out
 
 
-def measure_cpu(target_path: Path, draft_path: Path, max_batch: int, reps: int = 3) -> dict:
-    """Per-token decode cost (seconds) of target + draft by dtype name, at batch 1 and max_batch."""
+def measure_cpu(target_path: Path, draft_path: Path, max_batch: int, reps: int = 2) -> dict:
+    """Per-token decode cost (seconds) of target + draft by dtype name, at batch 1 and max_batch:
+    the best of two passes over the candidates in the order A B B A (`reps` runs each)."""
     configs = [json.loads((Path(p) / "config.json").read_text()) for p in (target_path, draft_path)]
     rows = tuple(sorted({1, max_batch}))
+    best: dict[str, list[dict[int, float]]] = {}  # name -> per model, seconds per token by rows
+    for name in (*_CPU_CANDIDATES, *reversed(_CPU_CANDIDATES)):
+        per = [_decode_seconds(c, DTYPES[name], rows, reps) for c in configs]
+        seen = best.setdefault(name, per)
+        best[name] = [{r: min(a[r], b[r]) for r in rows} for a, b in zip(seen, per, strict=True)]
     out: dict[str, dict] = {}
     for name in _CPU_CANDIDATES:
-        per = [_decode_seconds(c, DTYPES[name], rows, reps) for c in configs]
+        per = best[name]
         b1, bm = sum(p[1] for p in per), sum(p[max_batch] for p in per)
         out[name] = {
             "batch1_s_per_token": b1,
@@ -98,7 +107,7 @@ def choose_dtype(
     """(dtype, why) for `--dtype auto` (see the module doc)."""
     if device.type == "cuda":
         return torch.bfloat16, {"rule": "cuda: bfloat16"}
-    from server.engine.cost_model import device_name
+    from server.engine.cost_model import code_digest, device_name
 
     key = {
         "configs": [json.loads((Path(p) / "config.json").read_text()) for p in (target_path, draft_path)],
@@ -106,6 +115,7 @@ def choose_dtype(
         "threads": torch.get_num_threads(),
         "max_batch": max_batch,
         "torch": torch.__version__,
+        "code": code_digest(),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = Path(cache_dir) / f"dtype-{digest}.json" if cache_dir is not None else None

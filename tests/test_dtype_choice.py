@@ -1,0 +1,37 @@
+"""`--dtype auto` on CPU (server/engine/dtype_choice.py): a probe that a burst of host load cannot
+tip, and a cache that never outlives the code it was measured with."""
+
+from __future__ import annotations
+
+import torch
+
+from server.engine import cost_model, dtype_choice
+
+
+def test_a_burst_of_load_during_one_candidate_does_not_decide(tiny_pair, monkeypatch):
+    """The candidates are timed A B B A and each keeps its best pass: bf16 is the faster one here,
+    and its first pass runs during a burst that makes it look 10x slower."""
+    calls = []
+
+    def fake(config, dtype, rows, reps):
+        calls.append(dtype)
+        seconds = 0.010 if dtype == torch.float32 else 0.006
+        if calls.count(torch.bfloat16) <= 2:  # the first bf16 pass (target and draft): a burst
+            seconds *= 10
+        return {r: seconds for r in rows}
+
+    monkeypatch.setattr(dtype_choice, "_decode_seconds", fake)
+    timings = dtype_choice.measure_cpu(*tiny_pair, max_batch=4)
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert calls == [f32, f32, bf16, bf16, bf16, bf16, f32, f32]  # each model, passes A B B A
+    assert min(timings, key=lambda name: timings[name]["score"]) == "bfloat16"
+    assert timings["bfloat16"]["batch1_s_per_token"] == 2 * 0.006  # target + draft, best pass
+
+
+def test_a_cached_choice_is_reused_until_the_engine_code_changes(tiny_pair, tmp_path, monkeypatch):
+    cpu = torch.device("cpu")
+    first = dtype_choice.choose_dtype(*tiny_pair, cpu, 2, tmp_path)
+    again = dtype_choice.choose_dtype(*tiny_pair, cpu, 2, tmp_path)
+    assert first[1]["source"] == "probe" and again[1]["source"] == "cache" and again[0] == first[0]
+    monkeypatch.setattr(cost_model, "code_digest", lambda: "edited")
+    assert dtype_choice.choose_dtype(*tiny_pair, cpu, 2, tmp_path)[1]["source"] == "probe"
