@@ -13,13 +13,18 @@ Terms
 Supported: RMSNorm, RoPE (HF `rope_scaling`/`rope_parameters` types default and llama3), GQA,
 SwiGLU, q/k/v bias (Qwen2 or `attention_bias`), tied embeddings. Weights load from `*.safetensors`.
 
-Small-M matmuls on CPU (`linear`): MKL's float32 GEMM for `x [M, K] @ W.T` with 2 <= M <= 16 rows
+Small-M matmuls on CPU (`linear`): MKL's float32 GEMM for `x [M, K] @ W.T` with 2 <= M <= 128 rows
 runs far below the bandwidth bound on the AVX2 hosts measured here (a [17920, 1536] projection: 9 ms
 at M = 1, 26-31 ms at M = 3..8), while the same product taken as `W @ x.T` streams W once (8-13 ms).
 That is exactly the shape of a verify forward (T = N+1 positions) and of a small decode batch, so
-`linear` takes the transposed product for 2..16 rows, for weights large enough to matter (>= 4M elements;
-smaller ones measured no better). Other dtypes and devices keep `F.linear` (bf16 on AVX2 is
-compute-bound either way; CUDA has its own kernels).
+`linear` takes the transposed product for 2..128 rows, for weights large enough to matter (>= 4M
+elements; smaller ones measured no better). The bound was 16 until verify forwards at batch 8
+(M = 8·(N+1) = 24..72) were measured: the same [17920, 1536] projection at M = 24 / 40 / 72 took
+36 / 64 / 80 ms through `F.linear` against 28 / 49 / 50 ms transposed, the Qwen2.5 LM head
+[151936, 1536] at M = 40 639 vs 292 ms, and a whole Qwen2.5-1.5B-shape forward at R = 8 rows and
+T = 3 / 5 / 9 tokens went from 1.73-1.82 / 2.19-2.46 / 2.92-3.10 s to 1.23-1.43 / 1.58-1.65 /
+2.55-2.62 s; at M = 192..512 the two are within noise, so prefills keep `F.linear`. Other dtypes and
+devices keep `F.linear` (bf16 on AVX2 is compute-bound either way; CUDA has its own kernels).
 
 Attention on CUDA leaves out cuDNN's SDPA backend (`attention_backends`): PyTorch prefers it on
 Hopper for masked attention, and it builds an execution plan for every new (rows, T, keys) shape.
@@ -45,7 +50,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from server.engine.kv_cache import KVCache
 
-_SMALL_M = (2, 16)  # rows for which `linear` takes the transposed product (see the module doc)
+_SMALL_M = (2, 128)  # rows for which `linear` takes the transposed product (see the module doc)
 _LARGE_WEIGHT = 1 << 22  # elements; smaller weights gain nothing measurable
 # SDPA backends on CUDA: all but cuDNN's, which plans per shape (see the module doc).
 _CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -58,7 +63,7 @@ def attention_backends(device: torch.device):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, `x [..., K]` -> `[..., N]`, as `(W @ x.T).T` for float32 CPU
-    products with 2..16 rows and a large weight (see the module doc); equal up to rounding."""
+    products with 2..128 rows and a large weight (see the module doc); equal up to rounding."""
     rows = x.numel() // x.shape[-1]
     if (
         _SMALL_M[0] <= rows <= _SMALL_M[1]
