@@ -8,11 +8,20 @@ rows 2.05 s bf16 vs 1.35 s fp32). So `choose_dtype` measures it, bounded:
 
     for float32 and bfloat16, a one-layer copy of each model (same shapes, constant weights: speed
     does not depend on values) times one decoder layer and the LM head at 1 row and at max_batch
-    rows; per-token cost = layers·t_layer + t_head, target plus draft; the dtype with the lower
-    geometric mean of the batch-1 and batch-max per-token costs wins. Each time is the best of
-    two passes in the order A B B A (two runs each, after a warm-up), so a burst of load on a
-    shared host slows both candidates or neither. About 6 s for the Qwen2.5-1.5B/0.5B shapes on a
-    2-core host, a fraction of loading them.
+    rows, and one decoder layer over a 64-token prompt; per decoded token layers·t_layer + t_head,
+    per prompt token (layers·t_layer(64) + t_head) / 64, target plus draft; a request of as many
+    prompt tokens as generated ones costs prompt + decode(R) per token pair, and the dtype with
+    the lower geometric mean of that cost at R = 1 and R = max_batch (low and full load) wins. Each time
+    is the best of two passes in the order A B B A (two runs each, after a warm-up), so a burst of
+    load on a shared host slows both candidates or neither. About 12 s for the Qwen2.5-1.5B/0.5B
+    shapes on a 2-core host, a fraction of loading them.
+
+Why the prompt counts: a prefill is compute-bound, and without bf16 matmul units bfloat16 is the
+slow dtype for compute. Measured for the Qwen2.5 0.5B -> 1.5B shapes on a 2-core AVX2 host, per
+token: decode bf16 0.27-0.34 vs fp32 0.58-0.81 s at batch 1, 0.21-0.25 vs 0.12-0.16 s at batch 8,
+prompt 0.16 vs 0.034 s. A decode-only rule chose bf16 for max_batch 8, and a closed-loop c = 8
+bench of 12-token replies then ran at 0.99 tok/s against 3.70 in fp32. With the prompt counted,
+batch 1 alone still chooses bf16 (0.45 vs 0.61 s per prompt + reply token pair), max_batch 8 fp32.
 
 The whole pair is then loaded once in that dtype (nothing converts per step). Decisions are cached
 as JSON next to the cost models (per shapes, device, threads, max_batch, torch and engine code:
@@ -35,10 +44,14 @@ CHOICES = ("auto", *DTYPES)
 _CPU_CANDIDATES = ("float32", "bfloat16")
 
 
-def _decode_seconds(config: dict, dtype: torch.dtype, rows: tuple[int, ...], reps: int) -> dict[int, float]:
-    """Seconds per token of one decode step at each row count, estimated from one layer: a
-    one-layer copy of the model (constant weights; the embedding cut to a few rows, as a decode
-    step reads one row of it) times the layer and the LM head separately."""
+_PROMPT = 64  # tokens of the prompt whose prefill is timed
+
+
+def _decode_seconds(config: dict, dtype: torch.dtype, rows: tuple[int, ...], reps: int) -> dict:
+    """Seconds per token of one decode step at each row count, and per token of a 64-token prompt
+    (key "prompt"), estimated from one layer: a one-layer copy of the model (constant weights;
+    the embedding cut to a few rows, as a step reads few of its rows) times the layer and the LM
+    head separately."""
     from server.engine.llama import ModelArgs, Transformer, rope_inv_freq, rope_table
 
     args = ModelArgs.from_hf_config(config)
@@ -52,7 +65,7 @@ def _decode_seconds(config: dict, dtype: torch.dtype, rows: tuple[int, ...], rep
             p.fill_(0.02)
     model.inv_freq = rope_inv_freq(one)
     model.freqs_cis = rope_table(model.inv_freq, 0)
-    cache = model.new_cache(max(rows), 80)
+    cache = model.new_cache(max(rows), _PROMPT + 16)
 
     def best(fn) -> float:
         fn()  # first-call allocations and kernel set-up
@@ -72,6 +85,10 @@ def _decode_seconds(config: dict, dtype: torch.dtype, rows: tuple[int, ...], rep
             t_layer = best(lambda: model(tokens, slots, starts, cache, True))  # noqa: B023
             t_head = best(lambda: model.logits(hidden).softmax(-1))  # noqa: B023
             out[r] = (args.num_layers * t_layer + t_head) / r
+        prompt = torch.ones(1, _PROMPT, dtype=torch.long)  # [1, P]
+        zero = torch.zeros(1, dtype=torch.long)  # [1]
+        t_prompt = best(lambda: model(prompt, zero, zero, cache, True))
+        out["prompt"] = (args.num_layers * t_prompt + t_head) / _PROMPT  # logits at its last token only
     return out
 
 
@@ -80,19 +97,21 @@ def measure_cpu(target_path: Path, draft_path: Path, max_batch: int, reps: int =
     the best of two passes over the candidates in the order A B B A (`reps` runs each)."""
     configs = [json.loads((Path(p) / "config.json").read_text()) for p in (target_path, draft_path)]
     rows = tuple(sorted({1, max_batch}))
-    best: dict[str, list[dict[int, float]]] = {}  # name -> per model, seconds per token by rows
+    best: dict[str, list[dict]] = {}  # name -> per model, seconds per token by rows (and "prompt")
     for name in (*_CPU_CANDIDATES, *reversed(_CPU_CANDIDATES)):
         per = [_decode_seconds(c, DTYPES[name], rows, reps) for c in configs]
         seen = best.setdefault(name, per)
-        best[name] = [{r: min(a[r], b[r]) for r in rows} for a, b in zip(seen, per, strict=True)]
+        best[name] = [{k: min(a[k], b[k]) for k in a} for a, b in zip(seen, per, strict=True)]
     out: dict[str, dict] = {}
     for name in _CPU_CANDIDATES:
         per = best[name]
-        b1, bm = sum(p[1] for p in per), sum(p[max_batch] for p in per)
+        decode = {r: sum(p[r] for p in per) for r in rows}
+        prompt = sum(p["prompt"] for p in per)
         out[name] = {
-            "batch1_s_per_token": b1,
-            f"batch{max_batch}_s_per_token": bm,
-            "score": math.sqrt(b1 * bm),
+            **{f"batch{r}_s_per_token": s for r, s in decode.items()},
+            "prompt_s_per_token": prompt,
+            # one prompt token and one generated token, at each load; geometric mean over loads
+            "score": math.prod(prompt + s for s in decode.values()) ** (1 / len(decode)),
         }
     return out
 
@@ -130,7 +149,7 @@ def choose_dtype(
     best = min(timings, key=lambda name: timings[name]["score"])
     why = {
         "dtype": best,
-        "rule": "cpu: lower geometric mean of target + draft per-token decode cost at batch 1 and max_batch",
+        "rule": "cpu: lower geometric mean over 1 and max_batch rows of prompt + decode cost per token",
         "timings": timings,
         "probe_s": round(time.perf_counter() - t0, 3),
     }
