@@ -60,6 +60,8 @@ def test_draft_only_rounds_are_priced_by_their_own_steps_once_seen():
     assert m.draft_only_round_time(2, 8) == pytest.approx(8 * 0.004 + 0.001)  # none seen: draft steps
     m.observe("draft_only", 2, 1, 0.0025)
     assert m.draft_only_round_time(2, 8) == pytest.approx(8 * 0.0025 + 0.001)
+    m.set("draft", 8, 1, 0.010)  # a batch whose draft-only step is not measured: scaled like draft's
+    assert m.time("draft_only", 8, 1) == pytest.approx(0.0025 * 0.010 / 0.004)
     assert m.round_time(2, 3) == pytest.approx(3 * 0.004 + 0.001)  # speculative rounds unchanged
 
 
@@ -75,6 +77,10 @@ def test_catch_ups_are_priced_as_draft_tokens_until_one_is_measured():
     m.observe("catch_up", 16, 1, 0.03)
     m.observe("catch_up", 48, 1, 0.07)
     assert m.time("catch_up", 32, 1) == pytest.approx(0.05)  # between its own points, over M
+    # outside them, the draft's curve scaled to the nearest own point (not flat at its value)
+    assert m.time("catch_up", 4, 1) == pytest.approx(0.03 * m.time("draft", 4, 1) / m.time("draft", 16, 1))
+    assert m.time("catch_up", 4, 1) < 0.03
+    assert m.time("catch_up", 96, 1) == pytest.approx(0.07 * m.time("draft", 96, 1) / m.time("draft", 48, 1))
     assert m.time("draft", 8, 1) == pytest.approx(0.05) and m.time("draft", 1, 1) == pytest.approx(0.01)
 
 

@@ -20,6 +20,8 @@ Terms
                 the draft only when they first draft, `step._feed_pending`): learned from the
                 catch-ups rounds run, over M; until one has run, `draft`'s cost at M (a prompt's
                 worth of tokens is read in one forward, as a batch of M draft steps would be)
+    Outside the sizes it has measured, `draft_only` and `catch_up` follow `draft`'s curve scaled
+    to their nearest measured point.
     bonus       the expected number of bonus draft steps in a round (0..1): rows whose bonus is
                 drawn from ν (w < 1) need the draft's q after the last proposal, which costs one
                 more draft step when all n drafts were accepted, and always at n = 0.
@@ -121,8 +123,16 @@ class CostModel:
         and never faster than proportionally to M: a cost has a fixed part and a per-token part,
         and two noisy neighbours must not extrapolate to a steep line."""
         per_batch, sizes, values = self._fit(kind)
-        if not sizes and kind in _FALLBACK:
-            return self.time(_FALLBACK[kind], r, t)
+        m = _size(kind, r, t)
+        if kind in _FALLBACK and (not sizes or not sizes[0] <= m <= sizes[-1]):
+            # Outside its own points: the fallback kind's curve, scaled to the nearest own point
+            # (one catch-up of 8 x 68 tokens must not price a 30-token one at the same seconds).
+            guess = self.time(_FALLBACK[kind], r, t)
+            if not sizes:
+                return guess
+            edge = 0 if m < sizes[0] else -1
+            ref = self.time(_FALLBACK[kind], sizes[edge], 1)
+            return values[edge] * guess / ref if ref > 0 else values[edge]
         points = per_batch.get(r)
         if points and points[0][0] <= t <= points[-1][0]:
             i = bisect_left(points, (t, -math.inf))
