@@ -318,7 +318,11 @@ class _Stages:
 
         m = self.m
         with torch.inference_mode():
-            if kind == "score":
+            if kind == "catch_up":  # one draft forward over r tokens of one row, no logits
+                tokens = torch.randint(0, self.vocab, (1, r), device=self.dev)  # [1, M]
+                zero = torch.zeros(1, dtype=torch.long, device=self.dev)  # [1]
+                m.draft(tokens, zero, zero, m.draft_cache, True)
+            elif kind == "score":
                 self._forward(m.target, m.target_cache, r, t)
             elif kind == "draft":
                 q = self._forward(m.draft, m.draft_cache, r, 1)[:, 0]  # [R, V]
@@ -348,15 +352,16 @@ class _Stages:
         return sorted(times)[len(times) // 2]
 
 
-def _plan(max_batch: int, max_n: int) -> list[tuple[str, int, int]]:
+def _plan(max_batch: int, max_n: int, catch_up: int = 64) -> list[tuple[str, int, int]]:
     """Profile points, most useful first: batch 1 (latency) at both ends of T (with the draft
-    step, the two points a fixed + per-token cost needs), then the largest batch, then the rest."""
+    step, the two points a fixed + per-token cost needs), then the largest batch, then a catch-up
+    over a prompt's worth (`catch_up` tokens: the level its curve is scaled to), then the rest."""
     tmax, rmax = max_n + 1, max_batch
     mids = [r for r in (2, 4) if 1 < r < rmax]
     order = [
         ("score", 1, 1), ("draft", 1, 1), ("score", 1, tmax), ("check", 1, 1), ("score", 1, 2),
         ("score", rmax, 1), ("draft", rmax, 1), ("score", rmax, tmax), ("score", rmax, 2),
-        ("check", 1, max_n), ("check", rmax, max_n), ("check", rmax, 1),
+        ("check", 1, max_n), ("check", rmax, max_n), ("check", rmax, 1), ("catch_up", catch_up, 1),
         *[("score", 1, t) for t in range(3, tmax)],
         *[(k, r, t) for r in mids for (k, t) in (("score", 1), ("draft", 1), ("score", 2), ("score", tmax))],
         *[("score", rmax, t) for t in range(3, tmax)],
@@ -384,7 +389,7 @@ def profile(models: Models, max_batch: int, max_num_draft: int, budget_s: float 
     stages.run("score", 1, 1)
     stages.run("draft", 1, 1)
     t_start = time.perf_counter()
-    for kind, r, t in _plan(max_batch, max_num_draft):
+    for kind, r, t in _plan(max_batch, max_num_draft, stages.ctx):
         guess = model.time(kind, r, t)
         cheap = guess < 0.02
         runs = 4 if cheap else 1
