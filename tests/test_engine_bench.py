@@ -81,3 +81,33 @@ def test_trials_start_at_different_rows_and_run_every_row_once():
     orders = [_rotated(plan, k, 3) for k in range(3)]
     assert all(sorted(o) == plan for o in orders)
     assert len({o[0] for o in orders}) == 3 and orders[0] == plan
+
+
+def test_a_run_counts_every_round_it_predicted(tiny_pair, monkeypatch):
+    """The last chunk reaches the client inside the last round, before the scheduler records that
+    round's prediction (slowed here by 50 ms): the run's timers must still hold every round with
+    its prediction, or a run of few rounds reads predicted speeds a round too fast."""
+    import asyncio
+    import time
+
+    from server.engine.bench.runner import tier_verification
+    from server.engine.bench.workload import engine_run
+    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.round_timers import StepTimers
+
+    record = StepTimers.record_prediction
+
+    def late(self, *args):
+        time.sleep(0.05)
+        record(self, *args)
+
+    monkeypatch.setattr(StepTimers, "record_prediction", late)
+    eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=2, max_context=96, profile_budget_s=0.2))
+    eng.start_sync()
+    try:
+        prompts = ("Tom has 12 apples", "Sum 2 and 3")
+        ids = [eng.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+        _, _, _, timers = engine_run(eng, ids, 8, 1.0, tier_verification("q0"), clients=2)
+        assert timers["rounds"] > 0 and timers["predicted_rounds"] == timers["rounds"]
+    finally:
+        asyncio.run(eng.stop())
