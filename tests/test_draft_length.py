@@ -155,6 +155,18 @@ def _row(lag: int):
     )  # fmt: skip
 
 
+def test_a_step_overhead_outside_rounds_favours_longer_rounds():
+    """The scheduler's time outside rounds (plan, bookkeeping) is paid once a step whatever n, so
+    plain decoding pays it per token and a drafting round per E(β, n) tokens. Rounds alone: n = 0
+    (1 / 4.0 ms = 250 tok/s beats n = 1 at 1.7 / 6.9 ms = 246); with 2 ms a step, drafting wins
+    (n = 1: 1.7 / 8.9 ms = 191 against 1 / 6.0 ms = 167)."""
+    model = _model(lambda r, t: 3.6e-3 + 4e-4 * t, lambda r: 2.5e-3)
+    row = [RowChoice(0.7)]
+    assert choose(row, model.round_time, MAX_N) == [0]
+    assert choose(row, model.round_time, MAX_N, step=2e-3)[0] > 0
+    assert goodput(row, [0], model.round_time, step=2e-3) == pytest.approx(1 / 6.0e-3)
+
+
 def test_no_drafts_past_the_end_of_a_request():
     """Two tokens left: a round can emit at most two, so at most one draft is worth its cost."""
     model = overhead_bound()

@@ -132,6 +132,8 @@ def test_the_planner_learns_acceptance_and_costs_from_rounds(tiny_pair):
         _run(eng, weight=0.5, num_draft=2, n=2)
         assert planner.cost.updates > before
         assert planner.agreement.count > 0  # TV samples from the drafted positions
+        steps = [e for (kind, _, _), e in planner.cost.entries.items() if kind == "step"]
+        assert steps and all(e.seconds >= 0 for e in steps)  # each step's time outside its rounds
         timers = eng.scheduler.timers
         assert timers.predicted_rounds == timers.rounds > 0
     finally:

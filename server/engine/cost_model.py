@@ -22,6 +22,10 @@ Terms
                 worth of tokens is read in one forward, as a batch of M draft steps would be)
     Outside the sizes it has measured, `draft_only` and `catch_up` follow `draft`'s curve scaled
     to their nearest measured point.
+    step        a scheduler step's time outside its rounds and prefills, by running rows R: the
+                plan, retiring and admitting rows, the loop. Paid once a step whatever the draft
+                lengths, so rounds that emit more tokens spread it thinner (the embedded pair:
+                ~0.5 ms against a 4 ms plain round). Learned online only (0 until a step has run).
     bonus       the expected number of bonus draft steps in a round (0..1): rows whose bonus is
                 drawn from ν (w < 1) need the draft's q after the last proposal, which costs one
                 more draft step when all n drafts were accepted, and always at n = 0.
@@ -54,7 +58,7 @@ import torch
 if TYPE_CHECKING:
     from server.engine.step import Models
 
-KINDS = ("draft", "score", "check", "other", "draft_only", "catch_up")
+KINDS = ("draft", "score", "check", "other", "draft_only", "catch_up", "step")
 # Kinds priced like another until they have entries of their own (see the module doc).
 _FALLBACK = {"draft_only": "draft", "catch_up": "draft"}
 _EMA = 0.1  # weight of a new observation once an entry has 10 (a ~10-round memory)
@@ -224,6 +228,7 @@ class CostModel:
                 r: [ms(self.time("check", r, n)) for n in range(max_num_draft + 1)] for r in batch_sizes
             },
             "other_ms": {r: ms(self.time("other", r, 0)) for r in batch_sizes},
+            "step_ms": {r: ms(self.time("step", r, 0)) for r in batch_sizes},
             # the draft step until a draft-only round has run
             "draft_only_step_ms": {r: ms(self.time("draft_only", r, 1)) for r in batch_sizes},
             # a lagging draft's catch-up forward over M tokens (the draft's cost at M until one has run)

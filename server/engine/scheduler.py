@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -165,13 +166,16 @@ class Scheduler:
 
     def step(self) -> None:
         """Retire finished/cancelled rows, admit and prefill new ones, run one round per group."""
+        t0 = time.perf_counter()
         for row in list(self._running):
             if row.cancelled or row.done:
                 self._retire(row)
         new = self._admit()
+        prefill_s = 0.0
         if new:
             with self.timers.phase("prefill", self.models.device):
                 self._prefill(new)
+            prefill_s = self.timers.last["prefill"]
         live = [row for row in self._running if not row.cancelled and not row.done]
         planner = self.models.planner
         if planner is not None:
@@ -180,11 +184,16 @@ class Scheduler:
         groups: dict[tuple[bool, int], list[Row]] = {}
         for row in live:
             groups.setdefault((row.draft_only, row.num_draft), []).append(row)
+        rounds_s = 0.0
         for (_, n), rows in sorted(groups.items()):
-            self._round(rows, n, planner.predict(rows, n) if planner is not None else None)
+            seconds = self._round(rows, n, planner.predict(rows, n) if planner is not None else None)
+            rounds_s += seconds or 0.0
         for row in list(self._running):
             if row.cancelled or row.done:
                 self._retire(row)
+        if planner is not None and live:
+            # what every step costs besides its rounds (the plan, bookkeeping): the planner weighs it
+            planner.learn_step(len(live), time.perf_counter() - t0 - prefill_s - rounds_s)
 
     # -- fault isolation ---------------------------------------------------------------------
     def _prefill(self, rows: list[Row]) -> None:
@@ -193,13 +202,15 @@ class Scheduler:
         first token) can be prefilled again alone, at once."""
         self._isolating(rows, lambda group: prefill(self.models, group), redo_unadvanced=True)
 
-    def _round(self, rows: list[Row], n: int, predicted: tuple[float, float] | None = None) -> None:
+    def _round(self, rows: list[Row], n: int, predicted: tuple[float, float] | None = None) -> float | None:
         """`run_round`, isolating faults (module doc); `predicted`: the planner's (live, profile)
         seconds for this round, compared with the measured time when the round succeeds. Rows
-        that had not advanced when a row raised in `advance` run their round next step."""
+        that had not advanced when a row raised in `advance` run their round next step. Returns
+        the round's seconds (None after a fault)."""
         seconds = self._isolating(rows, lambda group: _run(self.models, group, n, self.timers))
         if seconds is not None and predicted is not None:
             self.timers.record_prediction(seconds, *predicted)
+        return seconds
 
     def _isolating(self, rows: list[Row], run, redo_unadvanced: bool = False):
         """`run(rows)`; its result, or None after a fault, with only the rows that cause it failed.
