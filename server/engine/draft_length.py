@@ -290,8 +290,8 @@ class DraftPlanner:
 
     Rows are read duck-typed: `adaptive`, `draft_only`, `num_draft`, `needs_q`, `p_when_undrafted`,
     `estimate`, `prior_weight`, `policy.kind`, `draft_lag`, `tokens_left`. Plans are cached per
-    batch signature (rounded β, needs_q, fixed, catch-up per row) and cost-table epoch, so steady
-    batches do not re-run the search every step. `profile` is the
+    batch signature (rounded β, needs_q, fixed, catch-up per row; rows running) and cost-table
+    epoch, so steady batches do not re-run the search every step. `profile` is the
     start-up cost model, kept unchanged to report how well it alone predicts rounds. `force`
     pins every adaptive row to one N (benchmarks sweep fixed N with it, N = 0 included)."""
 
@@ -341,7 +341,7 @@ class DraftPlanner:
             return
         choices = [self.row_choice(row) for row in rows]
         self.table.refresh()
-        key = (tuple(choices), self.table.epoch)
+        key = (tuple(choices), running, self.table.epoch)
         plan = self._plans.get(key)
         if plan is None:
             plan = choose(choices, self.table, self.max_n, self.margin, self.table.step(running))
