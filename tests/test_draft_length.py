@@ -7,6 +7,8 @@ grows with tokens, the draft costs 0.4 of the target per token: the 1.5B pair on
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from server.engine.cost_model import CostModel
@@ -15,6 +17,7 @@ from server.engine.draft_length import (
     DraftPlanner,
     PairAgreement,
     RowChoice,
+    catch_up_bucket,
     catch_up_size,
     choose,
     expected_tokens,
@@ -142,10 +145,31 @@ def test_a_round_that_catches_up_is_predicted_with_its_catch_up_forward():
     assert planner.predict(rows, 0)[0] == pytest.approx(planner.predict([_row(lag=1)] * 3, 0)[0])
 
 
+def test_a_slow_first_catch_up_is_averaged_away_by_later_ones():
+    """Catch-ups are learned on a half-octave grid of M: prompts of 29-33 tokens share one entry,
+    so a 20 ms first catch-up (cold, or a busy host) is diluted by the 2 ms ones that follow it
+    instead of standing alone, and lifting every larger M through the fit, for good."""
+    assert [catch_up_bucket(m) for m in (1, 2, 29, 31, 33, 40, 64, 68, 544)] == [
+        1,
+        2,
+        32,
+        32,
+        32,
+        45,
+        64,
+        64,
+        512,
+    ]
+    model = compute_bound()
+    planner = DraftPlanner(model, MAX_N)
+    for m, s in [(30, 0.020), (31, 0.002), (33, 0.002), (29, 0.002), (31, 0.002)]:
+        planner._learn_catch_ups(SimpleNamespace(catch_ups=[(m, s)]))
+    assert model.time("catch_up", 30, 1) < 0.007  # (20 + 4 x 2) / 5 ms
+    assert model.time("catch_up", 60, 1) < 0.02  # larger prompts are not priced at the outlier
+
+
 def _row(lag: int):
     """A w = 1 adaptive row as the planner reads it (duck-typed), `lag` tokens ahead of its draft."""
-    from types import SimpleNamespace
-
     from verifier.dial import PolicyKind
 
     return SimpleNamespace(

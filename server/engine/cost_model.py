@@ -18,7 +18,8 @@ Terms
                 learned from those rounds only, `draft` until one has run
       catch_up  one draft forward over the M tokens a lagging draft has not read (rows that feed
                 the draft only when they first draft, `step._feed_pending`): learned from the
-                catch-ups rounds run, over M; until one has run, `draft`'s cost at M (a prompt's
+                catch-ups rounds run, over M on a half-octave grid (`draft_length.catch_up_bucket`:
+                prompt lengths rarely repeat); until one has run, `draft`'s cost at M (a prompt's
                 worth of tokens is read in one forward, as a batch of M draft steps would be)
     Outside the sizes it has measured, `draft_only` and `catch_up` follow `draft`'s curve scaled
     to their nearest measured point.
