@@ -21,7 +21,7 @@ def test_a_burst_of_load_during_one_candidate_does_not_decide(tiny_pair, monkeyp
             seconds *= 10
         return {**{r: seconds for r in rows}, "prompt": seconds}
 
-    monkeypatch.setattr(dtype_choice, "_decode_seconds", fake)
+    monkeypatch.setattr(dtype_choice, "_per_token_seconds", fake)
     timings = dtype_choice.measure_cpu(*tiny_pair, max_batch=4)
     f32, bf16 = torch.float32, torch.bfloat16
     assert calls == [f32, f32, bf16, bf16, bf16, bf16, f32, f32]  # each model, passes A B B A
@@ -41,7 +41,7 @@ def test_prompt_cost_counts_beside_decode_cost(tiny_pair, monkeypatch):
     }  # per model: target and draft alike, so the pair's costs are twice these
     monkeypatch.setattr(
         dtype_choice,
-        "_decode_seconds",
+        "_per_token_seconds",
         lambda config, dtype, rows, reps: {k: costs[dtype][k] for k in (*rows, "prompt")},
     )
     timings = dtype_choice.measure_cpu(*tiny_pair, max_batch=8)

@@ -375,9 +375,8 @@ class DraftPlanner:
         return seconds(self.cost), seconds(self.profile)
 
     def learn_step(self, running: int, seconds: float) -> None:
-        """After a scheduler step of `running` rows: its seconds outside rounds and prefills."""
-        if running:
-            self.cost.observe("step", running, 0, max(seconds, 0.0))
+        """After a scheduler step of `running` (> 0) rows: its seconds outside rounds and prefills."""
+        self.cost.observe("step", running, 0, max(seconds, 0.0))
 
     def learn_draft_only(self, batch, seconds: dict) -> None:
         """After a draft-only round: its draft steps and the rest into the cost model."""

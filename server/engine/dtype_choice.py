@@ -47,7 +47,7 @@ _CPU_CANDIDATES = ("float32", "bfloat16")
 _PROMPT = 64  # tokens of the prompt whose prefill is timed
 
 
-def _decode_seconds(config: dict, dtype: torch.dtype, rows: tuple[int, ...], reps: int) -> dict:
+def _per_token_seconds(config: dict, dtype: torch.dtype, rows: tuple[int, ...], reps: int) -> dict:
     """Seconds per token of one decode step at each row count, and per token of a 64-token prompt
     (key "prompt"), estimated from one layer: a one-layer copy of the model (constant weights;
     the embedding cut to a few rows, as a step reads few of its rows) times the layer and the LM
@@ -93,13 +93,14 @@ def _decode_seconds(config: dict, dtype: torch.dtype, rows: tuple[int, ...], rep
 
 
 def measure_cpu(target_path: Path, draft_path: Path, max_batch: int, reps: int = 2) -> dict:
-    """Per-token decode cost (seconds) of target + draft by dtype name, at batch 1 and max_batch:
-    the best of two passes over the candidates in the order A B B A (`reps` runs each)."""
+    """Per-token costs (seconds) of target + draft by dtype name: decoding at batch 1 and
+    max_batch, and reading a prompt; the best of two passes over the candidates in the order
+    A B B A (`reps` runs each), and the score that ranks them (see the module doc)."""
     configs = [json.loads((Path(p) / "config.json").read_text()) for p in (target_path, draft_path)]
     rows = tuple(sorted({1, max_batch}))
     best: dict[str, list[dict]] = {}  # name -> per model, seconds per token by rows (and "prompt")
     for name in (*_CPU_CANDIDATES, *reversed(_CPU_CANDIDATES)):
-        per = [_decode_seconds(c, DTYPES[name], rows, reps) for c in configs]
+        per = [_per_token_seconds(c, DTYPES[name], rows, reps) for c in configs]
         seen = best.setdefault(name, per)
         best[name] = [{k: min(a[k], b[k]) for k in a} for a, b in zip(seen, per, strict=True)]
     out: dict[str, dict] = {}
