@@ -118,7 +118,8 @@ def test_overload_fast_429_with_retry_after_while_admitted_complete():
         t = time.monotonic()
         with pytest.raises(openai.RateLimitError) as exc:
             client.completions.create(model=MODEL, prompt="z", max_tokens=30)
-        assert time.monotonic() - t < 0.5  # refused at once, not queued
+        # refused at once, not queued: a queued request would wait for a slot, then run (> alone)
+        assert time.monotonic() - t < max(0.5, alone / 2)
         assert exc.value.response.headers["retry-after"] == "2"
         assert exc.value.code == "server_overloaded"
         for t in threads:
