@@ -83,6 +83,33 @@ def test_trials_start_at_different_rows_and_run_every_row_once():
     assert len({o[0] for o in orders}) == 3 and orders[0] == plan
 
 
+def test_round_predictions_are_judged_over_every_trial_not_the_fastest():
+    """The row keeps its fastest trial's speed, but the cost model's round-time error is pooled over
+    all trials: the fastest trial is picked by its measured time, so on its own it reads a bias
+    that is only the selection (here +33 % on the kept trial, +0 % over both)."""
+    from server.engine.bench.report import engine_row
+    from server.engine.bench.runner import Best
+
+    def timers(predicted: float, measured: float) -> dict:
+        return {
+            "predicted_round_s": predicted, "measured_predicted_round_s": measured,
+            "abs_error_s": abs(predicted - measured), "profile_abs_error_s": abs(predicted - measured),
+            "prefill_s": 0.0, "rounds": 10, "verify_call_s": 0.1, "round_s": measured,
+            "draft_tokens": 0, "row_rounds": 10, "plans": 0,
+        }  # fmt: skip
+
+    best = Best()
+    best.keep(("m", 8), (100, 1.0, [], timers(1.0, 0.75)))  # fast host: rounds under the model
+    best.keep(("m", 8), (100, 1.5, [], timers(1.0, 1.25)))  # slow host: over it
+    tokens, seconds, stats, kept = best.runs[("m", 8)]
+    assert seconds == 1.0  # the speed is the fastest trial's
+    alone = engine_row("m", 8, tokens, seconds, stats, kept, None)
+    pooled = engine_row("m", 8, tokens, seconds, stats, {**kept, **best.mean_predictions(("m", 8))}, None)
+    assert abs(alone.round_bias - 1 / 3) < 1e-9
+    assert abs(pooled.round_bias) < 1e-9 and abs(pooled.round_error - 0.25) < 1e-9
+    assert abs(pooled.predicted_tokens_per_s - 100.0) < 1e-9  # per trial: tokens / one trial's rounds
+
+
 def test_a_run_counts_every_round_it_predicted(tiny_pair, monkeypatch):
     """The last chunk reaches the client inside the last round, before the scheduler records that
     round's prediction (slowed here by 50 ms): the run's timers must still hold every round with

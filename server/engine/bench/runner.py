@@ -69,13 +69,23 @@ class BenchConfig:
         return [m for m in HF_METHODS if m == "hf_generate" or (c == 1 and self.include_hf_assisted)]
 
 
+# The cost model's round-time predictions and their measured rounds: summed over every trial of a
+# row. Keeping the fastest trial's alone would select for rounds that ran faster than predicted
+# (the trial is picked by its measured time), a bias of +13..+29 % at c = 8 where a trial has ~10
+# rounds and trials differ by 20 %.
+PREDICTION_TIMERS = ("predicted_round_s", "measured_predicted_round_s", "abs_error_s", "profile_abs_error_s")
+
+
 class Best:
     """The fastest trial per (method, concurrency): (tokens, seconds, ...) tuples; and every
-    trial's tokens/s (`rates`), so reports show the spread the best was picked from."""
+    trial's tokens/s (`rates`), so reports show the spread the best was picked from. Engine runs'
+    prediction timers are pooled over all trials instead (`PREDICTION_TIMERS`)."""
 
     def __init__(self, progress=None, total: int = 0):
         self.runs: dict[tuple[str, int], tuple] = {}
         self.rates: dict[tuple[str, int], list[float]] = {}
+        self.predictions: dict[tuple[str, int], dict[str, float]] = {}  # sums over trials
+        self.trials: dict[tuple[str, int], int] = {}
         self.progress = progress
         self.task = progress.add_task("bench engine", total=total) if progress else None
         self.requests = progress.add_task("requests", total=None) if progress else None
@@ -85,6 +95,11 @@ class Best:
 
     def keep(self, key: tuple[str, int], result: tuple) -> None:
         self.rates.setdefault(key, []).append(round(result[0] / result[1], 3))
+        if len(result) == 4:  # an engine run: (tokens, seconds, stats, timers)
+            pooled = self.predictions.setdefault(key, dict.fromkeys(PREDICTION_TIMERS, 0.0))
+            for name in PREDICTION_TIMERS:
+                pooled[name] += result[3][name]
+            self.trials[key] = self.trials.get(key, 0) + 1
         old = self.runs.get(key)
         if old is None or result[0] / result[1] > old[0] / old[1]:
             self.runs[key] = result
@@ -95,6 +110,11 @@ class Best:
             rate, elapsed = result[0] / result[1], time.perf_counter() - self.t0
             run = f"{self.done}/{self.total} [{elapsed:.0f} s] {key[0]} c={key[1]}"
             print(f"bench engine {run}: {rate:.2f} tok/s", flush=True)
+
+    def mean_predictions(self, key: tuple[str, int]) -> dict[str, float]:
+        """The prediction timers per trial, averaged over every trial of the row (each trial runs
+        the same tokens, so `tokens / predicted_round_s` stays a rate)."""
+        return {name: total / self.trials[key] for name, total in self.predictions[key].items()}
 
     def describe(self, text: str) -> None:
         if self.progress:
@@ -131,7 +151,9 @@ def _rows(cfg: BenchConfig, best: Best) -> list[BenchRow]:
                 continue
             weight = None if tier is None else v.weight
             extra = {"tier": tier, "weight": weight, "fixed_n": None if tier is None else fixed}
-            row = engine_row(method, c, *best.runs[(method, c)], ar, **extra)
+            tokens, seconds, stats, timers = best.runs[(method, c)]
+            timers = {**timers, **best.mean_predictions((method, c))}
+            row = engine_row(method, c, tokens, seconds, stats, timers, ar, **extra)
             row.trial_tokens_per_s = best.rates[(method, c)]
             if method == "dialspec_ar":
                 ar = row
