@@ -13,7 +13,17 @@ def test_bench_engine_quick_writes_every_row(tiny_pair, tmp_path):
     target, draft = tiny_pair
     out = tmp_path / "bench"
     argv = ["bench", "engine", "--quick", "--target", str(target), "--draft", str(draft)]
-    argv += ["--concurrency", "1,2", "--tiers", "exact,lite", "--sweep", "--max-num-draft", "2"]
+    argv += [
+        "--concurrency",
+        "1,2",
+        "--waves",
+        "1,2",
+        "--tiers",
+        "exact,lite",
+        "--sweep",
+        "--max-num-draft",
+        "2",
+    ]
     assert main([*argv, "--out", str(out)]) == 0
     report = json.loads((out / "engine.json").read_text())
     md = (out / "engine.md").read_text()
@@ -25,8 +35,8 @@ def test_bench_engine_quick_writes_every_row(tiny_pair, tmp_path):
     expected = {(m, c) for m in methods for c in (1, 2)} | {("hf_assisted", 1), ("hf_assisted_w0.5", 1)}
     assert got == expected
     by = {(r["method"], r["concurrency"]): r for r in report["rows"]}
-    for m in methods:  # every concurrency serves the same workload: the same token total
-        assert by[(m, 1)]["tokens"] == by[(m, 2)]["tokens"]
+    for m in methods:  # every method serves the same workload, twice over at c = 2 (--waves 1,2)
+        assert 2 * by[(m, 1)]["tokens"] == by[(m, 2)]["tokens"]
     for n in range(3):  # a pinned N is what ran
         assert abs(by[(f"dialspec_exact_N{n}", 1)]["mean_n"] - n) < 1e-9
     for r in report["rows"]:
@@ -40,7 +50,7 @@ def test_bench_engine_quick_writes_every_row(tiny_pair, tmp_path):
     meta = report["meta"]
     assert meta["cost_model"]["target_ms"] and meta["bandwidth"]["limit_tokens_per_s"] > 0
     assert meta["dtype"] in ("float32", "bfloat16") and meta["dtype_choice"]["dtype"] == meta["dtype"]
-    assert "## Cost model" in md
+    assert "## Cost model" in md and "x waves=1 at c=1, 2 at c=2" in md
 
 
 def test_bench_engine_max_seconds_stops_starting_runs(tiny_pair, tmp_path):
@@ -62,6 +72,10 @@ def test_bench_engine_user_mistakes_are_cli_errors(tmp_path, capsys):
     assert "--sweep takes Ns" in capsys.readouterr().err
     assert main(["bench", "engine", "--sweep", "2,9", "--max-num-draft", "8"]) == 2
     assert "0..--max-num-draft (8)" in capsys.readouterr().err
+    assert main(["bench", "engine", "--concurrency", "1,8", "--waves", "1,2,4"]) == 2
+    assert "one per --concurrency (2)" in capsys.readouterr().err
+    assert main(["bench", "engine", "--waves", "x"]) == 2
+    assert main(["bench", "engine", "--waves", "0"]) == 2
 
 
 def test_bench_engine_device_mistakes_are_cli_errors(tiny_pair, capsys):

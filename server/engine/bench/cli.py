@@ -35,7 +35,11 @@ def register(subparsers) -> None:
     # pair's 0.72), so the default stays inside the answers.
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per request, EOS ignored (default 24)")
     p.add_argument("--prompts", type=int, default=8, help="task-suite prompts in the workload (default 8)")
-    p.add_argument("--waves", type=int, default=1, help="passes over the prompt list (default 1)")
+    p.add_argument(
+        "--waves", default="1",
+        help="passes over the prompt list: one number, or one per --concurrency (1,4: four passes at "
+        "the second concurrency, so its rows run as many rounds as batch 1's; default 1)",
+    )  # fmt: skip
     p.add_argument("--trials", type=int, default=2, help="interleaved repeats; the fastest is kept")
     p.add_argument(
         "--tiers",
@@ -92,7 +96,14 @@ def _validate(args) -> tuple[tuple[int, ...], tuple[str, ...], str, str]:
     bad = [t for t in tiers if t not in TIERS]
     if bad or not tiers:
         raise CLIError(f"unknown --tiers {bad or args.tiers!r}; use some of {','.join(TIERS)}")
-    if args.waves < 1 or args.trials < 1 or args.prompts < 1:
+    try:
+        waves = tuple(int(x) for x in args.waves.split(","))
+    except ValueError:
+        waves = ()
+    if len(waves) not in (1, len(conc)):
+        raise CLIError(f"--waves takes one number or one per --concurrency ({len(conc)}), got {args.waves!r}")
+    args.waves = waves[0] if len(waves) == 1 else waves
+    if min(waves) < 1 or args.trials < 1 or args.prompts < 1:
         raise CLIError("--prompts, --waves and --trials must be >= 1")
     if args.max_seconds is not None and args.max_seconds <= 0:
         raise CLIError("--max-seconds must be > 0")

@@ -164,6 +164,14 @@ def _cost_table(cost: dict) -> list[str]:
     return lines
 
 
+def _waves(meta: dict) -> str:
+    """`waves` as written: one number, or one per concurrency."""
+    waves = meta["waves"]
+    if isinstance(waves, int):
+        return str(waves)
+    return ", ".join(f"{w} at c={c}" for w, c in zip(waves, meta["concurrency"], strict=True))
+
+
 def to_markdown(report: dict) -> str:
     def f(v, fmt):
         return "–" if v is None else format(v, fmt)
@@ -174,7 +182,7 @@ def to_markdown(report: dict) -> str:
         f"# dialspec bench engine\n\ntarget `{m['target']}`, draft `{m['draft']}`, "
         f"max_tokens={m['max_tokens']}, temperature={m['temperature']}, device={m['device']} "
         f"({m.get('device_name', '')}), dtype={m['dtype']}, threads={m['torch_threads']}, "
-        f"prompts={m['prompts']} x waves={m['waves']}, best of {m['trials']} trial(s)\n",
+        f"prompts={m['prompts']} x waves={_waves(m)}, best of {m['trials']} trial(s)\n",
     ]
     if bw:
         lines.append(

@@ -35,7 +35,7 @@ class BenchConfig:
     concurrency: tuple[int, ...] = (1, 8)
     max_tokens: int = 24
     prompts: int = 8  # task-suite prompts in the workload
-    waves: int = 1  # passes over the prompt list
+    waves: int | tuple[int, ...] = 1  # passes over the prompt list; or one per concurrency
     trials: int = 2  # interleaved repeats; the fastest is kept
     tiers: tuple[str, ...] = TIERS
     sweep: tuple[int, ...] = ()  # fixed Ns also run per tier (pinned through the planner)
@@ -48,6 +48,15 @@ class BenchConfig:
     max_seconds: float | None = None
     profile_budget_s: float = 3.0
     cache_dir: str | None = None  # cost models / dtype choices (None: measured afresh)
+
+    def waves_at(self, c: int) -> int:
+        """Passes over the prompt list at concurrency c. One per c lets high-c rows run as many
+        rounds as c = 1 rows (8 clients finish 8 prompts in ~1/8 of the rounds): the cost model's
+        round-time error needs rounds to be judged on, and c = 8 trials of ~6 rounds each read
+        +-40 % from noise alone."""
+        if isinstance(self.waves, int):
+            return self.waves
+        return self.waves[self.concurrency.index(c)]
 
     def engine_plan(self) -> list[tuple[str, str | None, object, int | None]]:
         """(method, tier, Verification, fixed N or None) for the embedded engine rows."""
@@ -241,7 +250,7 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
     def run_hf(method: str, c: int) -> tuple[int, float]:
         """The same request list as the engine: batches of c for `generate`, one by one for assisted."""
         target, draft = hf_models
-        texts = [chats[i % len(chats)] for i in range(len(chats) * cfg.waves)]
+        texts = [chats[i % len(chats)] for i in range(len(chats) * cfg.waves_at(c))]
         d = None if method == "hf_generate" else draft
         w = 0.5 if method.endswith("w0.5") else None
         batches = [texts[i : i + c] for i in range(0, len(texts), c)]
@@ -267,7 +276,7 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
                     best.describe(f"{method} c={c}")
                     planner.force = fixed if tier is not None else None
                     result = engine_run(
-                        engine, prompt_ids, cfg.max_tokens, cfg.temperature, verify, c, cfg.waves,
+                        engine, prompt_ids, cfg.max_tokens, cfg.temperature, verify, c, cfg.waves_at(c),
                         on_request=best.request_done,
                     )  # fmt: skip
                     best.keep((method, c), result)
