@@ -8,7 +8,13 @@ Terms
                 target, R for a draft step (and a catch-up forward over L tokens is M = L),
                 R·(n + 1) for the check.
     stages      (the stages of `server/engine/step.py`)
-      draft     one draft forward of one token per row, its sampling transform and pick: t_draft(R)
+      draft     one draft forward of one token per row, its sampling transform and pick, run
+                right after another draft step: t_draft(R)
+      first_draft  the same forward right after the target's (a round's first draft step, which
+                also feeds the pending tokens, and its bonus step): on a small pair the target's
+                forward has evicted the draft's weights from cache, so it costs more than the
+                steps after it (embedded pair: 1.42 vs 1.06 ms at R = 1, 2.04 vs 1.65 at R = 8;
+                Qwen2.5 0.5B/1.5B shapes on CPU: equal); `draft` until measured
       score     one target forward over T tokens per row and its transform: t_score(R, T)
       check     ensemble weights, `verifier.verify`, results to the host: t_check(R, n)
       other     the rest of a round (batch assembly, advancing rows, detokenising): t_other(R)
@@ -21,8 +27,8 @@ Terms
                 catch-ups rounds run, over M on a half-octave grid (`draft_length.catch_up_bucket`:
                 prompt lengths rarely repeat); until one has run, `draft`'s cost at M (a prompt's
                 worth of tokens is read in one forward, as a batch of M draft steps would be)
-    Outside the sizes it has measured, `draft_only` and `catch_up` follow `draft`'s curve scaled
-    to their nearest measured point.
+    Outside the sizes it has measured, `draft_only`, `catch_up` and `first_draft` follow `draft`'s
+    curve scaled to their nearest measured point.
     step        a scheduler step's time outside its rounds and prefills, by running rows R: the
                 plan, retiring and admitting rows, the loop. Paid once a step whatever the draft
                 lengths, so rounds that emit more tokens spread it thinner (the embedded pair:
@@ -31,7 +37,8 @@ Terms
                 drawn from ν (w < 1) need the draft's q after the last proposal, which costs one
                 more draft step when all n drafts were accepted, and always at n = 0.
 
-    round(R, n, bonus) = (n + bonus)·t_draft(R) + t_score(R, n + 1) + t_check(R, n) + t_other(R)
+    round(R, n, bonus) = (min(n, 1) + bonus)·t_first_draft(R) + max(n − 1, 0)·t_draft(R)
+                         + t_score(R, n + 1) + t_check(R, n) + t_other(R)
 
 Profile: at engine start, within a time budget, the stages run on dummy tokens at the points
 that matter most first (batch 1 across T, then the largest batch); other points are interpolated
@@ -59,9 +66,9 @@ import torch
 if TYPE_CHECKING:
     from server.engine.step import Models
 
-KINDS = ("draft", "score", "check", "other", "draft_only", "catch_up", "step")
+KINDS = ("draft", "first_draft", "score", "check", "other", "draft_only", "catch_up", "step")
 # Kinds priced like another until they have entries of their own (see the module doc).
-_FALLBACK = {"draft_only": "draft", "catch_up": "draft"}
+_FALLBACK = {"draft_only": "draft", "catch_up": "draft", "first_draft": "draft"}
 _EMA = 0.1  # weight of a new observation once an entry has 10 (a ~10-round memory)
 _CACHED_COUNT = 3  # a cached entry counts as 3 observations: this host's rounds soon outweigh it
 FORMAT = "dialspec-cost-model/1"
@@ -168,7 +175,8 @@ class CostModel:
     def round_time(self, r: int, n: int, bonus: float = 0.0) -> float:
         """Predicted seconds of one round of R rows with draft length n (see the module doc)."""
         return (
-            (n + bonus) * self.time("draft", r, 1)
+            (min(n, 1) + bonus) * self.time("first_draft", r, 1)
+            + max(n - 1, 0) * self.time("draft", r, 1)
             + self.time("score", r, n + 1)
             + self.time("check", r, n)
             + self.time("other", r, 0)
@@ -225,6 +233,8 @@ class CostModel:
                 r: [ms(self.time("score", r, t)) for t in range(1, max_num_draft + 2)] for r in batch_sizes
             },
             "draft_step_ms": {r: ms(self.time("draft", r, 1)) for r in batch_sizes},
+            # a round's first draft step and its bonus step (after the target's forward)
+            "first_draft_step_ms": {r: ms(self.time("first_draft", r, 1)) for r in batch_sizes},
             "check_ms": {
                 r: [ms(self.time("check", r, n)) for n in range(max_num_draft + 1)] for r in batch_sizes
             },
@@ -330,9 +340,16 @@ class _Stages:
                 m.draft(tokens, zero, zero, m.draft_cache, True)
             elif kind == "score":
                 self._forward(m.target, m.target_cache, r, t)
-            elif kind == "draft":
+            elif kind in ("draft", "first_draft"):
+                if kind == "first_draft":  # timed from after a target forward, as in a round
+                    self._forward(m.target, m.target_cache, r, 2)
+                    _sync(self.dev)
+                    t0 = time.perf_counter()
                 q = self._forward(m.draft, m.draft_cache, r, 1)[:, 0]  # [R, V]
                 sample_inverse_cdf(q, torch.rand(r, device=self.dev))
+                if kind == "first_draft":
+                    _sync(self.dev)
+                    return time.perf_counter() - t0
             elif kind == "check":
                 p = torch.rand(r, t + 1, self.vocab, device=self.dev).softmax(-1)  # [R, n+1, V]
                 q = torch.rand(r, t, self.vocab, device=self.dev).softmax(-1)  # [R, n, V]
@@ -368,6 +385,7 @@ def _plan(max_batch: int, max_n: int, catch_up: int = 64) -> list[tuple[str, int
         ("score", 1, 1), ("draft", 1, 1), ("score", 1, tmax), ("check", 1, 1), ("score", 1, 2),
         ("score", rmax, 1), ("draft", rmax, 1), ("score", rmax, tmax), ("score", rmax, 2),
         ("check", 1, max_n), ("check", rmax, max_n), ("check", rmax, 1), ("catch_up", catch_up, 1),
+        ("first_draft", 1, 1), ("first_draft", rmax, 1),
         *[("score", 1, t) for t in range(3, tmax)],
         *[(k, r, t) for r in mids for (k, t) in (("score", 1), ("draft", 1), ("score", 2), ("score", tmax))],
         *[("score", rmax, t) for t in range(3, tmax)],

@@ -279,13 +279,13 @@ class RoundTable:
         c = self.cost
         rs = range(1, self.max_batch + 1)
         self.base = {r: [c.round_time(r, n) for n in range(self.max_n + 1)] for r in rs}
-        self.draft_step = {r: c.time("draft", r, 1) for r in rs}
+        self.bonus_step = {r: c.time("first_draft", r, 1) for r in rs}  # it follows the target's forward
         self.overhead = {r: c.time("step", r, 0) for r in rs}
 
     def __call__(self, r: int, n: int, bonus: float = 0.0) -> float:
         if r > self.max_batch or n > self.max_n:
             return self.cost.round_time(r, n, bonus)
-        return self.base[r][n] + bonus * self.draft_step[r]
+        return self.base[r][n] + bonus * self.bonus_step[r]
 
     def step(self, r: int) -> float:
         """The scheduler's seconds outside rounds in a step of r running rows."""
@@ -401,11 +401,15 @@ class DraftPlanner:
         r, n, cost = batch.size, batch.n, self.cost
         forward = seconds.get("verify_forward" if n else "target_forward", 0.0)
         caught_up = self._learn_catch_ups(batch)  # in the draft phase if n, else in the bonus step
-        if n:
-            cost.observe("draft", r, 1, max(seconds["draft"] - caught_up, 0.0) / n)
-        if out.bonus_rows:
+        if out.bonus_rows:  # a draft step right after the target's forward, timed alone
             step = seconds["bonus"] - (0.0 if n else caught_up)
-            cost.observe("draft", len(out.bonus_rows), 1, max(step, 0.0))
+            cost.observe("first_draft", len(out.bonus_rows), 1, max(step, 0.0))
+        if n:  # one first step (priced as learned so far), then n - 1 steps after draft steps
+            phase = max(seconds["draft"] - caught_up, 0.0)
+            if n == 1:
+                cost.observe("first_draft", r, 1, phase)
+            else:
+                cost.observe("draft", r, 1, max(phase - cost.time("first_draft", r, 1), 0.0) / (n - 1))
         cost.observe("score", r, n + 1, forward)
         cost.observe("check", r, n, seconds["verify_call"])
         staged = sum(v for k, v in seconds.items() if k != "round")
