@@ -115,12 +115,13 @@ def test_profile_measures_the_stages_within_its_budget(models):
     m = profile(models, max_batch=4, max_num_draft=8, budget_s=1.0)
     assert time.perf_counter() - t0 < 2.0
     kinds = {k for k, _, _ in m.entries}
-    assert {"score", "draft", "check", "catch_up"} <= kinds
+    assert {"score", "draft", "check", "catch_up", "first_draft"} <= kinds
     # a lagging draft's forward over a prompt's worth of tokens (half the cache here, at most 64)
     assert ("catch_up", min(64, models.draft_cache.shape.max_seq // 2), 1) in m.entries
     assert all(e.seconds > 0 for e in m.entries.values())
     summary = m.summary([1, 4], 8)
     assert len(summary["target_ms"][1]) == 9 and summary["draft_step_ms"][4] > 0
+    assert summary["first_draft_step_ms"][4] > 0
 
 
 def test_first_call_costs_do_not_eat_the_profile_budget(models, monkeypatch):

@@ -165,8 +165,9 @@ def create_app(
     async def engine_runtime():
         """What the engine measured about itself (behind the API key, like every /v1 path): the
         dtype and how it was chosen, the draft-length mode, and for engines that keep one the live
-        cost model in ms per stage (target forward for T = 1..N_max+1 new tokens, draft step,
-        check, other) at batch 1 and max_batch. `{}` from engines that report nothing."""
+        cost model in ms per stage (target forward for T = 1..N_max+1 new tokens, draft step, the
+        first draft step after the target's forward, check, other) at batch 1 and max_batch. `{}`
+        from engines that report nothing."""
         runtime = dict(engine.info.runtime)
         live = getattr(engine, "cost_model_summary", None)  # the embedded engine's, refined by every round
         if callable(live) and (summary := live()) is not None:

@@ -152,14 +152,15 @@ def _cost_table(cost: dict) -> list[str]:
     head = " | ".join(f"T={t}" for t in range(1, ts + 1))
     lines = [
         f"\n## Cost model ({cost['meta'].get('source', '?')}, ms per stage)\n",
-        f"| R | target forward {head} | draft step | check (N=0) | other |",
+        f"| R | target forward {head} | draft step | first draft step | check (N=0) | other |",
         "|---|" + "---|" * (ts + 4),
     ]
     for r, values in cost["target_ms"].items():
         cells = " | ".join(f"{v:.2f}" for v in values)
+        first = cost.get("first_draft_step_ms", {}).get(r)  # absent from reports before it existed
         lines.append(
-            f"| {r} | {cells} | {cost['draft_step_ms'][r]:.2f} | {cost['check_ms'][r][0]:.2f} "
-            f"| {cost['other_ms'][r]:.2f} |"
+            f"| {r} | {cells} | {cost['draft_step_ms'][r]:.2f} | {'–' if first is None else f'{first:.2f}'} "
+            f"| {cost['check_ms'][r][0]:.2f} | {cost['other_ms'][r]:.2f} |"
         )
     return lines
 
