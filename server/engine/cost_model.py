@@ -415,6 +415,8 @@ def profile(models: Models, max_batch: int, max_num_draft: int, budget_s: float 
     t_start = time.perf_counter()
     for kind, r, t in _plan(max_batch, max_num_draft, stages.ctx):
         guess = model.time(kind, r, t)
+        if kind == "first_draft":  # it runs after an untimed target forward, which costs as much
+            guess += model.time("score", r, 2)
         cheap = guess < 0.02
         runs = 4 if cheap else 1
         spent = time.perf_counter() - t_start
