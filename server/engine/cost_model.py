@@ -340,16 +340,15 @@ class _Stages:
                 m.draft(tokens, zero, zero, m.draft_cache, True)
             elif kind == "score":
                 self._forward(m.target, m.target_cache, r, t)
-            elif kind in ("draft", "first_draft"):
-                if kind == "first_draft":  # timed from after a target forward, as in a round
-                    self._forward(m.target, m.target_cache, r, 2)
-                    _sync(self.dev)
-                    t0 = time.perf_counter()
+            elif kind == "draft":
                 q = self._forward(m.draft, m.draft_cache, r, 1)[:, 0]  # [R, V]
                 sample_inverse_cdf(q, torch.rand(r, device=self.dev))
-                if kind == "first_draft":
-                    _sync(self.dev)
-                    return time.perf_counter() - t0
+            elif kind == "first_draft":  # a draft step timed from after a target forward, as in a round
+                self._forward(m.target, m.target_cache, r, 2)
+                _sync(self.dev)
+                t0 = time.perf_counter()
+                self.run("draft", r, 1)
+                return time.perf_counter() - t0
             elif kind == "check":
                 p = torch.rand(r, t + 1, self.vocab, device=self.dev).softmax(-1)  # [R, n+1, V]
                 q = torch.rand(r, t, self.vocab, device=self.dev).softmax(-1)  # [R, n, V]
