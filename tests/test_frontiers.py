@@ -62,3 +62,81 @@ def test_areas_share_one_range_and_time_axis_uses_norm_time():
     assert out["areas"]["b"]["area"] > out["areas"]["a"]["area"]
     timed = analyse(groups, axis="time", boot=50)
     assert timed["range"][0] < timed["range"][1] < 0  # stored as −norm_time
+
+
+def test_prompt_oracle_matches_brute_force_over_every_per_prompt_choice():
+    """Five prompts, three settings with unequal draft counts: every one of the 3^5 per-prompt
+    choices gives a (pooled acceptance, mean score) point; the oracle's frontier is their hull."""
+    import itertools
+
+    from training.frontiers import prompt_oracle
+
+    rng = np.random.default_rng(3)
+    prompts, pts = 5, []
+    for k, acc in enumerate((0.7, 0.85, 1.0)):
+        proposed = rng.integers(20, 60, prompts).astype(float)
+        accepted = np.round(proposed * np.clip(acc + rng.normal(0, 0.05, prompts), 0, 1))
+        scores = np.clip(1.0 - 0.8 * (acc - 0.7) / 0.3 + rng.normal(0, 0.3, prompts), 0, 1)  # ROUGE-like
+        pts.append(Point("m", f"m{k}", scores, accepted, proposed, 1.0))
+    cols = np.arange(prompts)
+    acc_k, prop_k, score_k = (
+        np.stack([getattr(p, f) for p in pts]) for f in ("accepted", "proposed", "scores")
+    )
+    xs, ys = [], []
+    for pick in itertools.product(range(3), repeat=prompts):
+        pick = np.array(pick)  # [P] the setting each prompt takes
+        xs.append(acc_k[pick, cols].sum() / prop_k[pick, cols].sum())
+        ys.append(score_k[pick, cols].mean())
+    ox, oy = prompt_oracle(pts)
+    grid = np.linspace(min(xs), max(xs), 25)  # every acceptance some choice reaches
+    # the Lagrangian grid finds the hull's vertices up to ~1e-4 (a vertex almost on a chord)
+    assert frontier_at(ox, oy, grid) == pytest.approx(frontier_at(np.array(xs), np.array(ys), grid), abs=1e-3)
+    # and it is never below any single setting's own frontier
+    own = frontier_at(
+        np.array([p.accepted.sum() / p.proposed.sum() for p in pts]),
+        np.array([p.scores.mean() for p in pts]),
+        grid,
+    )
+    assert np.all(frontier_at(ox, oy, grid) >= np.nan_to_num(own, nan=-1) - 1e-12)
+
+
+def test_prompt_oracle_script_reads_an_eval_and_explains_a_missing_file(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "prompt_oracle", Path(__file__).parents[1] / "scripts/prompt_oracle.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rng = np.random.default_rng(0)
+    policies = [{"policy": "AR", "family": "ar", "acceptance": None}]
+    for fam, shift in (("static", 0.0), ("cascade", 0.1)):
+        for p in _method(fam, shift, rng):
+            pp = {
+                "scores": p.scores.tolist(),
+                "accepted": p.accepted.tolist(),
+                "proposed": p.proposed.tolist(),
+            }
+            acc = p.accepted.sum() / p.proposed.sum()
+            policies.append(
+                {
+                    "policy": p.name,
+                    "family": fam,
+                    "acceptance": acc,
+                    "per_prompt": pp,
+                    "norm_time": p.norm_time,
+                }
+            )
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"tasks": {"math": {"policies": policies}}}))
+    assert script.main([str(path), "--methods", "static,cascade"]) == 0
+    out = capsys.readouterr().out
+    assert "math (10 points" in out and "oracle - static" in out and "oracle - cascade" in out
+    lead = {
+        m: float(out.split(f"oracle - {m}")[1].split("mean")[1].split()[0]) for m in ("static", "cascade")
+    }
+    assert lead["static"] > lead["cascade"] >= 0  # the oracle can take the better method's points
+    assert script.main([str(tmp_path / "missing.json")]) == 2
+    assert "dialspec eval --out" in capsys.readouterr().err
