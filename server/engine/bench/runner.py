@@ -94,7 +94,6 @@ class Best:
         self.runs: dict[tuple[str, int], tuple] = {}
         self.rates: dict[tuple[str, int], list[float]] = {}
         self.predictions: dict[tuple[str, int], dict[str, float]] = {}  # sums over trials
-        self.trials: dict[tuple[str, int], int] = {}
         self.progress = progress
         self.task = progress.add_task("bench engine", total=total) if progress else None
         self.requests = progress.add_task("requests", total=None) if progress else None
@@ -108,7 +107,6 @@ class Best:
             pooled = self.predictions.setdefault(key, dict.fromkeys(PREDICTION_TIMERS, 0.0))
             for name in PREDICTION_TIMERS:
                 pooled[name] += result[3][name]
-            self.trials[key] = self.trials.get(key, 0) + 1
         old = self.runs.get(key)
         if old is None or result[0] / result[1] > old[0] / old[1]:
             self.runs[key] = result
@@ -123,7 +121,8 @@ class Best:
     def mean_predictions(self, key: tuple[str, int]) -> dict[str, float]:
         """The prediction timers per trial, averaged over every trial of the row (each trial runs
         the same tokens, so `tokens / predicted_round_s` stays a rate)."""
-        return {name: total / self.trials[key] for name, total in self.predictions[key].items()}
+        trials = len(self.rates[key])  # one rate per trial kept
+        return {name: total / trials for name, total in self.predictions[key].items()}
 
     def describe(self, text: str) -> None:
         if self.progress:
