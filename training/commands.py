@@ -2,6 +2,7 @@
 
     dialspec train [--updates 40] [--out models/embedded/head] [--resume]
     dialspec eval  [--head models/embedded/head] [--out runs/eval] [--limit 16] [--quick]
+    dialspec eval-pool RUN1 RUN2 ... --out runs/eval_pooled   (runs of one command with --seed 0, 1, ...)
 
 Both default to the shipped embedded pair (`server.engine.model_pair.verify_pair()`); `--target` and
 `--draft` (with `--pair-name`) pick another one. User mistakes raise `server.cli_errors.CLIError`.
@@ -133,6 +134,13 @@ def register(subparsers) -> None:
     )
     e.set_defaults(func=run_eval_cmd)
 
+    pool = subparsers.add_parser(
+        "eval-pool", help="pool `dialspec eval` runs made with different --seed into one table and plots"
+    )
+    pool.add_argument("runs", nargs="+", type=Path, help="eval output directories (or their results.json)")
+    pool.add_argument("--out", default="runs/eval_pooled", help="output directory (JSON, markdown, PNG, SVG)")
+    pool.set_defaults(func=run_eval_pool_cmd)
+
 
 def run_train(args) -> int:
     from training.rl import TrainConfig
@@ -250,4 +258,30 @@ def run_eval_cmd(args) -> int:
     results["wall_s"] = round(time.perf_counter() - t0, 1)
     written = write_report(results, args.out)
     print(f"eval done in {results['wall_s']:.0f}s; wrote {', '.join(str(p) for p in written.values())}")
+    return 0
+
+
+def run_eval_pool_cmd(args) -> int:
+    import json
+
+    from training.eval_pool import pool
+    from training.eval_report import write_report
+
+    runs = []
+    for path in args.runs:
+        file = path / "results.json" if path.is_dir() else path
+        if not file.is_file():
+            raise CLIError(f"{file} not found; pass the --out directories of `dialspec eval` runs")
+        try:
+            runs.append(json.loads(file.read_text()))
+        except json.JSONDecodeError as exc:
+            raise CLIError(f"{file} is not an eval's results.json ({exc})") from exc
+    try:
+        pooled = pool(runs)
+    except (ValueError, KeyError) as exc:
+        raise CLIError(f"cannot pool these runs: {exc}") from exc
+    written = write_report(pooled, args.out)
+    prompts = {t: r["prompts"] for t, r in pooled["tasks"].items()}
+    print(f"pooled {len(runs)} runs (seeds {pooled['config']['pooled_seeds']}, prompts {prompts}); "
+          f"wrote {', '.join(str(p) for p in written.values())}")  # fmt: skip
     return 0
