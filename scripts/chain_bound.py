@@ -12,7 +12,8 @@ TV(p_t, q_t) at every position and prints, per task (`training.chain_bound`):
   room        mean and largest lead of the clairvoyant per-reply oracle over the chord, in score
               units: an upper bound on what any per-position policy (a head, a cascade) can gain
               over time-sharing SD with the draft on that task.
-With --results (its split, seed and prompt count are used) it also realises that oracle's choice:
+With --results (its split, seed(s) and prompt count are used; a `dialspec eval-pool` output
+forces every pooled run's prompts, in its order) it also realises that oracle's choice:
 SD's measured rows on the replies with the highest slope (1 − P0_i)/A_i (top 25 / 50 / 75 %), the
 draft's (static w = 0) on the rest, and compares that frontier with every method's by the eval's
 paired bootstrap (`training.frontiers.analyse`).
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training import tasks  # noqa: E402
 from training.chain_bound import chain_bound, gain_share, success_probability  # noqa: E402
+from training.rollout import Forced  # noqa: E402
 
 STATIC = (0.0, 0.5, 0.75, 1.0)
 SELECTED = (0.25, 0.5, 0.75)  # shares of replies the realised oracle serves with SD
@@ -117,10 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(args.results.read_text()) if args.results else None
     if results is not None:  # the references of the eval's own prompts
         cfg = results["config"]
-        args.split, args.limit, args.seed = cfg["split"], cfg["limit"], cfg["seed"]
+        args.split, args.limit = cfg["split"], cfg["limit"]
+        seeds = cfg.get("pooled_seeds") or [cfg["seed"]]  # `dialspec eval-pool` output: every run's prompts
+    else:
+        seeds = [args.seed]
     torch.set_grad_enabled(False)
     for task in names:
-        forced = reference_forced(args.pair, task, args.split, args.limit, args.seed)
+        forced = Forced.cat([reference_forced(args.pair, task, args.split, args.limit, s) for s in seeds])
         a, mask = forced.tv.double(), forced.mask
         bound = chain_bound(a, mask)
         measured = measured_static(results, task)

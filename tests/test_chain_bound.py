@@ -164,3 +164,17 @@ def test_the_script_realises_the_oracle_on_an_evals_rows(tmp_path):
     # SD on the top half of 6 replies: 3 scored 1, acceptance (3·7 + 3·10) / 60
     assert "SD on top 50% 0.850 acc, 0.500" in out.stdout
     assert "oracle vs cascade:" in out.stdout
+
+
+def test_the_script_forces_every_pooled_runs_prompts(tmp_path):
+    """A `dialspec eval-pool` output names its seeds; the references are every run's, in order."""
+    rows = [_row("SD", "sd", 1.0, [1.0] * 6, [7] * 6), _row("static w=0", "static", 0.0, [0.0] * 6, [10] * 6)]
+    config = {"split": "dev", "limit": 3, "seed": None, "pooled_seeds": [0, 1]}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"config": config, "tasks": {"math": {"policies": rows}}}))
+    out = subprocess.run(
+        [sys.executable, "scripts/chain_bound.py", "--tasks", "math", "--results", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "math (6 references" in out.stdout and "SD on top 50% 0.850 acc, 0.500" in out.stdout
