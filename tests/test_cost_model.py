@@ -84,6 +84,22 @@ def test_catch_ups_are_priced_as_draft_tokens_until_one_is_measured():
     assert m.time("draft", 8, 1) == pytest.approx(0.05) and m.time("draft", 1, 1) == pytest.approx(0.01)
 
 
+def test_a_cold_catch_up_cannot_price_a_smaller_m_above_larger_ones():
+    """Catch-ups are read off the count-weighted isotonic fit over M: one slow first catch-up of
+    16 tokens (a cold start) is pooled with ten well-measured 64-token ones instead of standing
+    alone as the price of every 16-token catch-up (seen on a served engine: 8.8 ms at M = 16,
+    2.8 ms at M = 64)."""
+    m = CostModel()
+    m.set("draft", 1, 1, 0.001)
+    m.observe("catch_up", 16, 1, 0.0088)
+    for _ in range(10):
+        m.observe("catch_up", 64, 1, 0.0028)
+    m.observe("catch_up", 256, 1, 0.0336)
+    pooled = (0.0088 + 10 * 0.0028) / 11  # the isotonic fit pools the violating pair by counts
+    assert m.time("catch_up", 16, 1) == pytest.approx(pooled)
+    assert m.time("catch_up", 16, 1) <= m.time("catch_up", 64, 1) <= m.time("catch_up", 256, 1)
+
+
 def test_observations_average_then_track():
     m = CostModel()
     for s in (1.0, 3.0):

@@ -145,7 +145,9 @@ class CostModel:
             edge = 0 if m < sizes[0] else -1
             ref = self.time(_FALLBACK[kind], sizes[edge], 1)
             return values[edge] * guess / ref if ref > 0 else values[edge]
-        points = per_batch.get(r)
+        # A catch-up's R is its size M: its one point per M is read off the fit over M, so a cold
+        # first catch-up (one slow observation) cannot price its M above larger, well-measured ones.
+        points = None if kind == "catch_up" else per_batch.get(r)
         if points and points[0][0] <= t <= points[-1][0]:
             i = bisect_left(points, (t, -math.inf))
             if points[i][0] == t:
