@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from training.rollout import Forced
@@ -93,16 +94,9 @@ def chain_bound(a: torch.Tensor, mask: torch.Tensor, points: int = 201) -> Chain
     knots_score = (
         p0.sum() + torch.cat([torch.zeros(1, dtype=torch.float64), (1.0 - p0)[order].cumsum(0)])
     ) / b
-    oracle = _interp(grid, knots_cost, knots_score)
+    # a zero-cost reply repeats a knot with the same score (A_i = 0 means P0_i = 1), so ties are benign
+    oracle = torch.from_numpy(np.interp(grid.numpy(), knots_cost.numpy(), knots_score.numpy()))
     return ChainBound(grid, chord, oracle, int(mask.sum()), total)
-
-
-def _interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:
-    """Piecewise-linear interpolation of the knots (xp increasing, repeats allowed) at x."""
-    i = torch.searchsorted(xp, x, right=True).clamp(1, len(xp) - 1)
-    x0, x1, f0, f1 = xp[i - 1], xp[i], fp[i - 1], fp[i]
-    t = torch.where(x1 > x0, (x - x0) / (x1 - x0).clamp_min(1e-300), torch.ones_like(x))
-    return f0 + t.clamp(0.0, 1.0) * (f1 - f0)
 
 
 def gain_share(forced: Forced) -> float:
