@@ -8,7 +8,10 @@ this module measures how much room that leaves for any policy that sets w per po
 Terms
     a_t          per position of a reference reply (teacher-forced), TV(p_t, q_t). On a critical
                  task it is also the draft's error mass there: `gain_share` checks it, the share of
-                 TV that is `p_t(ref) − q_t(ref)` (math: 1.00; summary: ~0.6, not such a task).
+                 TV that is `p_t(ref) − q_t(ref)` (math: 1.00; summary: ~0.6, not such a task). It
+                 is necessary, not sufficient: code reads 1.00 too, yet SpecCascade stays far above
+                 code's chord up to ~79 % acceptance, because some departures from the reference
+                 are still correct programs (past that knee code does behave as a chain).
     the model    under ν_t (weight w_t) the reply goes wrong at t with probability (1 − w_t)·a_t and
                  t costs w_t·a_t expected rejections; a reply succeeds iff it goes wrong nowhere:
                  `P = Π_t (1 − (1 − w_t)·a_t)`, its cost `Σ_t w_t·a_t`. P0 = P at w ≡ 0 (all
