@@ -211,3 +211,34 @@ def test_streamed_text_matches_full_decode(engine):
         assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
         assert chunks[-1].completion_tokens == len(tokens) == 20
         assert chunks[-1].stats is not None and chunks[-1].stats.verify_steps >= 1
+
+
+def test_a_head_pinned_at_the_top_of_the_dial_serves_d_1_as_sd_without_bonus_draft_steps(tiny_pair):
+    """With `exact_at_full_dial` the head's w is 1 at d = 1, so ν = p at the bonus position too: the
+    row is lossless SD, token for token, and runs no extra draft step to read q there (it did, at
+    a measured 14 % of SD's time on the embedded pair's math). Below the top it still needs q."""
+    from server.engine.head_store import head_for_pair
+
+    head = head_for_pair(
+        *tiny_pair, "tiny-pair", inputs="stats", dial_interactions=True, exact_at_full_dial=True
+    )
+    eng = EmbeddedEngine(
+        EmbeddedEngineConfig(*tiny_pair, num_draft=3, max_batch=4, max_context=96, head=head)
+    )
+    eng.start_sync()
+    try:
+        sd = _req(eng, "hello there", 7, weight=1.0, num_draft=3)
+        top = _req(eng, "hello there", 7, weight=1.0, dial=1.0, num_draft=3)
+        below = _req(eng, "hello there", 7, weight=0.9, dial=0.9, num_draft=3)
+        assert not eng.make_row(top, lambda item: None).needs_q
+        assert eng.make_row(below, lambda item: None).needs_q
+        timers = eng.scheduler.timers
+        timers.reset()
+        sd_ids = asyncio.run(_collect(eng, sd))[0]
+        assert timers.bonus_steps == 0
+        top_ids = asyncio.run(_collect(eng, top))[0]
+        assert top_ids == sd_ids and timers.bonus_steps == 0
+        asyncio.run(_collect(eng, below))
+        assert timers.bonus_steps > 0  # d < 1: the bonus is drawn from ν, which reads q
+    finally:
+        asyncio.run(eng.stop())

@@ -363,6 +363,7 @@ class EmbeddedEngine:
                 request, sink, fixed or 0, self.tokenizer, self.eos_ids, adaptive=adaptive,
                 p_when_undrafted=adaptive and c.p_when_undrafted,
                 allow_draft_only=adaptive and planner is not None and planner.force is None,
+                head_exact_at_top=bool(getattr(getattr(self.head, "config", None), "exact_at_full_dial", False)),
             )  # fmt: skip
         except ValueError as exc:  # e.g. Policy parameter ranges
             raise EngineError(str(exc), "invalid_request") from exc

@@ -55,6 +55,7 @@ class Row:
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     p_when_undrafted: bool = False
     allow_draft_only: bool = False
+    head_exact_at_top: bool = False  # the engine's head pins w = 1 at d >= 1 (HeadConfig.exact_at_full_dial)
     rounds: int = 0  # rounds this row has advanced in (the scheduler's fault-isolation mark)
 
     def __post_init__(self):
@@ -78,11 +79,13 @@ class Row:
         self.stopper = StopStringFilter(s.stop)
         self.stats.accepted_per_position = [0] * self.num_draft
         self.speculative = self.adaptive or self.num_draft > 0  # the draft may run for this row
-        # The bonus (and at N = 0 the token) is drawn from ν = w·p + (1−w)·q, which needs q.
+        # The bonus (and at N = 0 the token) is drawn from ν = w·p + (1−w)·q, which needs q — unless
+        # w is 1 there: a static w = 1, or a head pinned to w = 1 at the top of its dial (ν = p).
+        pinned = self.learned and self.head_exact_at_top and self.dial >= 1.0
         self.needs_q = (
             self.speculative
             and self.policy.kind == PolicyKind.ENSEMBLE
-            and (self.learned or self.weight < 1.0)
+            and ((self.learned and not pinned) or self.weight < 1.0)
         )
         # ν = q at w = 0 (`verifier.dial`): the draft's own samples are exactly ν's.
         self.draft_only = (
