@@ -359,11 +359,12 @@ class EmbeddedEngine:
             adaptive = fixed is None
             # Quality 0 may skip the target unless a benchmark pins every row's N (planner.force).
             planner = self.scheduler.models.planner if self.scheduler is not None else None
+            pinned_top = bool(getattr(getattr(self.head, "config", None), "exact_at_full_dial", False))
             return Row(
                 request, sink, fixed or 0, self.tokenizer, self.eos_ids, adaptive=adaptive,
                 p_when_undrafted=adaptive and c.p_when_undrafted,
                 allow_draft_only=adaptive and planner is not None and planner.force is None,
-                head_exact_at_top=bool(getattr(getattr(self.head, "config", None), "exact_at_full_dial", False)),
+                head_exact_at_top=pinned_top,
             )  # fmt: skip
         except ValueError as exc:  # e.g. Policy parameter ranges
             raise EngineError(str(exc), "invalid_request") from exc
