@@ -32,23 +32,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training import tasks  # noqa: E402
-from training.chain_bound import chain_bound, gain_share, success_probability  # noqa: E402
+from training.chain_bound import chain_bound, gain_share, reply_slopes, success_probability  # noqa: E402
 from training.rollout import Forced  # noqa: E402
 
 STATIC = (0.0, 0.5, 0.75, 1.0)
 SELECTED = (0.25, 0.5, 0.75)  # shares of replies the realised oracle serves with SD
 
 
-def reference_forced(pair: Path, task: str, split: str, limit: int, seed: int):
-    """Teacher-forced quantities of `limit` reference replies (plus eos) of `task`."""
+def load_pair(pair: Path):
+    """(tokenizer, target, draft) of a dialspec pair directory, loaded once per run."""
     from transformers import AutoTokenizer
 
     from server.engine.llama import load_model
+
+    return (
+        AutoTokenizer.from_pretrained(pair / "target"),
+        load_model(pair / "target"),
+        load_model(pair / "draft"),
+    )
+
+
+def reference_forced(models, task: str, split: str, limit: int, seed: int):
+    """Teacher-forced quantities of `limit` reference replies (plus eos) of `task`."""
     from training.data import encode
     from training.rollout import Rollout, teacher_force
 
-    tokenizer = AutoTokenizer.from_pretrained(pair / "target")
-    target, draft = load_model(pair / "target"), load_model(pair / "draft")
+    tokenizer, target, draft = models
     encoded = encode(tokenizer, tasks.load(task, split, limit, seed))
     return teacher_force(target, draft, [Rollout(e.prompt, list(e.completion)) for e in encoded])
 
@@ -124,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         seeds = [args.seed]
     torch.set_grad_enabled(False)
+    models = load_pair(args.pair)
     for task in names:
-        forced = Forced.cat([reference_forced(args.pair, task, args.split, args.limit, s) for s in seeds])
+        forced = Forced.cat([reference_forced(models, task, args.split, args.limit, s) for s in seeds])
         a, mask = forced.tv.double(), forced.mask
         bound = chain_bound(a, mask)
         measured = measured_static(results, task)
@@ -141,9 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  model score at static {'; '.join(checks)}")
         print(f"  oracle over chord: mean {bound.room:+.3f}, largest {bound.max_room:+.3f}")
         if results is not None and task in results["tasks"]:
-            p0 = success_probability(torch.zeros_like(a), a, mask)
-            slope = ((1 - p0) / (a * mask).sum(-1).clamp_min(1e-12)).tolist()
-            print("\n".join(realised_oracle(results["tasks"][task], slope)))
+            print("\n".join(realised_oracle(results["tasks"][task], reply_slopes(a, mask).tolist())))
     return 0
 
 

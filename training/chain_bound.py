@@ -53,6 +53,15 @@ def policy_cost(w: torch.Tensor, a: torch.Tensor, mask: torch.Tensor) -> torch.T
     return (w * a * mask).sum(-1)
 
 
+def reply_slopes(a: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`(1 − P0_i)/A_i` per reply `[B]`: score gained per unit of acceptance spent making it exact
+    (the oracle's order; 0 for a reply the draft already matches everywhere)."""
+    a = torch.where(mask, a, torch.zeros_like(a))
+    full = a.sum(-1)  # [B] A_i
+    p0 = success_probability(torch.zeros_like(a), a, mask)  # [B]
+    return torch.where(full > 0, (1.0 - p0) / full.clamp_min(1e-300), torch.zeros_like(full))
+
+
 @dataclass(frozen=True)
 class ChainBound:
     """Chord and oracle frontiers pooled over replies, on a shared cost grid `[K]` (cost as a
@@ -91,8 +100,7 @@ def chain_bound(a: torch.Tensor, mask: torch.Tensor, points: int = 201) -> Chain
         flat = torch.full_like(grid, float(p0.mean()))
         return ChainBound(grid, flat, flat, int(mask.sum()), 0.0)
     chord = (p0.sum() + (1.0 - p0).sum() * grid) / b
-    slope = torch.where(full > 0, (1.0 - p0) / full.clamp_min(1e-300), torch.zeros_like(full))  # [B]
-    order = slope.argsort(descending=True)
+    order = reply_slopes(a, mask).argsort(descending=True)
     knots_cost = torch.cat([torch.zeros(1, dtype=torch.float64), full[order].cumsum(0)]) / total  # [B+1]
     knots_score = (
         p0.sum() + torch.cat([torch.zeros(1, dtype=torch.float64), (1.0 - p0)[order].cumsum(0)])
