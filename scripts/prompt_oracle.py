@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         every = {p.name: p for pts in groups.values() for p in pts}
         ox, oy = prompt_oracle(list(every.values()))
         print(f"{task} ({len(every)} points; oracle from {ox[0]:.3f} to {ox[-1]:.3f} acceptance)")
-        full = np.arange(len(next(iter(every.values())).scores))
+        full = (np.arange(len(next(iter(every.values())).scores)), None)
         for method, pts in groups.items():
             if wanted and method not in wanted:
                 continue

@@ -103,3 +103,51 @@ def test_cli_mistakes_are_one_line_errors(tiny_pair, tmp_path, run_cli, capsys):
     assert "trained for pair 'tiny-pair', not 'other'" in capsys.readouterr().err
     assert run_cli(["train", *base, "--resume", "--run-dir", str(tmp_path / "empty")]) == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_chunk_bounds_cover_the_prompts_with_at_least_a_batch_each():
+    from training.policy_eval import chunk_bounds
+
+    assert chunk_bounds(96, 8, 8) == [(12 * i, 12 * i + 12) for i in range(8)]
+    assert chunk_bounds(6, 8, 8) == [(0, 6)]  # fewer prompts than a batch: one chunk
+    for prompts, chunks, batch in ((100, 8, 8), (17, 3, 4), (5, 1, 8)):
+        b = chunk_bounds(prompts, chunks, batch)
+        assert b[0][0] == 0 and b[-1][1] == prompts
+        assert all(x[1] == y[0] for x, y in zip(b, b[1:], strict=False))  # contiguous
+        assert len(b) == 1 or min(hi - lo for lo, hi in b) >= batch
+
+
+def test_interleaved_chunks_change_the_timing_not_the_draws(tiny_pair, monkeypatch):
+    """Chunk j of every policy runs before chunk j + 1, forward then reversed; the per-prompt
+    results are those of one batch run per policy (the draws are seeded per request and batch-
+    invariant), and each row's chunks add up to its wall time and tokens."""
+    import training.policy_eval as pe
+
+    target, draft = tiny_pair
+    cfg = pe.EvalConfig(
+        target_path=str(target), draft_path=str(draft), pair_name="tiny-pair", tasks=("math",), limit=6,
+        max_tokens=8, max_batch=2, w_sweep=(0.5,), lenience_sweep=(), alpha_sweep=(0.5,), typical_sweep=(),
+        dials=(), time_chunks=3,
+    )  # fmt: skip
+    calls = []
+    real = pe.generate_batch
+
+    def spy(engine, reqs):
+        if reqs[0].request_id.startswith("math-"):  # not the warm-up
+            calls.append((reqs[0].request_id, reqs[0].verify))
+        return real(engine, reqs)
+
+    monkeypatch.setattr(pe, "generate_batch", spy)
+    chunked = pe.run_eval(cfg)["tasks"]["math"]["policies"]
+    specs = [s.verify for s in pe.policy_specs(cfg)]
+    assert [v for _, v in calls] == specs + specs[::-1] + specs
+    assert [i for i, _ in calls] == ["math-0"] * 4 + ["math-2"] * 4 + ["math-4"] * 4
+    calls.clear()
+    cfg.time_chunks = 1
+    whole = pe.run_eval(cfg)["tasks"]["math"]["policies"]
+    assert len(calls) == len(specs)
+    for a, b in zip(chunked, whole, strict=True):
+        assert a["per_prompt"] == b["per_prompt"] and a["completion_tokens"] == b["completion_tokens"]
+        assert len(a["chunks"]["wall_s"]) == 3 and len(b["chunks"]["wall_s"]) == 1
+        assert sum(a["chunks"]["tokens"]) == a["completion_tokens"]
+        assert sum(a["chunks"]["wall_s"]) == pytest.approx(a["wall_s"])

@@ -67,6 +67,8 @@ def test_pooled_rows_are_the_runs_prompts_concatenated(two_runs, run_cli, tmp_pa
                 assert row["per_prompt"][key] == parts[0]["per_prompt"][key] + parts[1]["per_prompt"][key]
             assert row["score"] == pytest.approx(sum(row["per_prompt"]["scores"]) / 6)
             assert row["completion_tokens"] == sum(p["completion_tokens"] for p in parts)
+            for key in ("wall_s", "tokens"):  # each run's timed chunks, side by side
+                assert row["chunks"][key] == parts[0]["chunks"][key] + parts[1]["chunks"][key]
             if row["family"] == "ar":
                 assert row["acceptance"] is None and row["norm_time"] == pytest.approx(1.0)
             else:

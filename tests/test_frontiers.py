@@ -140,3 +140,64 @@ def test_prompt_oracle_script_reads_an_eval_and_explains_a_missing_file(tmp_path
     assert lead["static"] > lead["cascade"] >= 0  # the oracle can take the better method's points
     assert script.main([str(tmp_path / "missing.json")]) == 2
     assert "dialspec eval --out" in capsys.readouterr().err
+
+
+def _timed_method(family, rng, drift, ar, chunked, sigma, shift=0.0, prompts=384):
+    """`_method`'s points with C chunk times: true time (1 − acc/2)·(1 − shift) times the chunk's
+    host speed `drift` (shared by every policy: they ran that chunk in the same minutes) and
+    lognormal noise of its own (σ per chunk)."""
+    pts = []
+    for i, acc in enumerate(np.linspace(0.6, 0.95, 5)):
+        scores = (rng.random(prompts) < 0.9 - 0.6 * acc).astype(float)
+        proposed = np.full(prompts, 50.0)
+        secs = (1 - acc / 2) * (1 - shift) * drift * np.exp(sigma * rng.standard_normal(len(drift)))  # [C]
+        chunks = np.stack([secs, np.full(len(drift), 100.0)], 1)  # [C, 2] (seconds, tokens)
+        norm = (secs.sum() / chunks[:, 1].sum()) / (ar[:, 0].sum() / ar[:, 1].sum())
+        pt = Point(family, f"{family}{i}", scores, np.round(proposed * acc), proposed, norm,
+                   chunks if chunked else None, ar if chunked else None)  # fmt: skip
+        pts.append(pt)
+    return pts
+
+
+def _host(rng, chunks=12, ar_sigma=0.15):
+    drift = np.exp(0.5 * rng.standard_normal(chunks))  # [C] the host's speed, chunk by chunk
+    ar_secs = drift * np.exp(ar_sigma * rng.standard_normal(chunks))  # [C]
+    ar = np.stack([ar_secs, np.full(chunks, 100.0)], 1)  # [C, 2]
+    return drift, ar
+
+
+def test_norm_time_on_chunks_recomputes_the_ratio_of_sums():
+    drift, ar = _host(np.random.default_rng(0), 4)
+    p = _timed_method("a", np.random.default_rng(1), drift, ar, True, 0.3)[0]
+    assert p.norm_time_on(None) == p.norm_time  # as measured
+    assert p.norm_time_on(np.arange(4)) == pytest.approx(p.norm_time)  # every chunk once: the same
+    pick = np.array([0, 0, 3, 3])
+    own, base = p.chunk_time[pick].sum(0), ar[pick].sum(0)
+    assert p.norm_time_on(pick) == pytest.approx((own[0] / own[1]) / (base[0] / base[1]))
+    assert Point("a", "a", p.scores, p.accepted, p.proposed, 0.7).norm_time_on(pick) == 0.7  # no chunks
+
+
+def test_chunk_resampling_puts_the_hosts_timing_noise_into_the_time_verdict():
+    """Two methods with one law, 384 prompts (score noise small) and 30 % timing noise per chunk
+    over 12 chunks (time noise large). With chunk times the 2-SE rule should call a winner in
+    about 5 % of trials (measured 8 % over 100 trials: 12 clusters make the bootstrap SE a little
+    small); 40 trials, allow up to 8 (P(Binom(40, 0.08) > 8) < 1 %). Without them the bootstrap
+    sees no timing noise and calls one far more often (measured 24 %; require at least 5:
+    P(Binom(40, 0.24) < 5) ≈ 1.5 %). A drift shared by every policy of a chunk (what interleaving
+    leaves) cancels in the normalised time: alone, it adds nothing to the SE."""
+    calls = {True: 0, False: 0}
+    for trial in range(40):
+        for chunked in (True, False):
+            rng = np.random.default_rng(100 + trial)  # the same data either way
+            drift, ar = _host(rng)
+            groups = {k: _timed_method(k, rng, drift, ar, chunked, 0.3) for k in ("a", "b")}
+            verdict = analyse(groups, axis="time", boot=100, seed=trial)["pairs"]["a vs b"]["verdict"]
+            calls[chunked] += verdict != "neither dominates"
+    assert calls[True] <= 8 and calls[False] >= 5
+    se = {}
+    for chunked in (True, False):
+        rng = np.random.default_rng(9)
+        drift, ar = _host(rng, ar_sigma=0.0)
+        groups = {k: _timed_method(k, rng, drift, ar, chunked, 0.0, shift=0.1 * (k == "b")) for k in "ab"}
+        se[chunked] = analyse(groups, axis="time", boot=100)["pairs"]["a vs b"]["se"]
+    assert se[True] == pytest.approx(se[False], rel=1e-6)

@@ -127,6 +127,10 @@ def register(subparsers) -> None:
     )  # fmt: skip
     e.add_argument("--quick", action="store_true", help="a small, fast slice (6 prompts, fewer points)")
     e.add_argument(
+        "--time-chunks", type=int, default=None,
+        help="run the policies interleaved over this many chunks of each task's prompts (default 8)",
+    )  # fmt: skip
+    e.add_argument(
         "--dtype",
         choices=("auto", "float32", "bfloat16", "float16"),
         default="auto",
@@ -239,14 +243,21 @@ def run_eval_cmd(args) -> int:
         ("alpha_sweep", args.alpha_sweep),
         ("typical_sweep", args.typical_sweep),
         ("dials", args.dials),
+        ("time_chunks", args.time_chunks),
     ):
         if value is not None:
             setattr(cfg, key, value)
     if cfg.limit < 1:
         raise CLIError("--limit must be >= 1")
+    if cfg.time_chunks < 1:
+        raise CLIError("--time-chunks must be >= 1 (1: each policy's prompts in one batch run)")
     t0 = time.perf_counter()
 
     def progress(task, row):
+        if "chunk" in row:
+            print(f"  {task:8s} chunk {row['chunk']}/{row['chunks']} done "
+                  f"({time.perf_counter() - t0:.0f}s)", flush=True)  # fmt: skip
+            return
         acc = "–" if row["acceptance"] is None else f"{row['acceptance']:.3f}"
         print(
             f"  {task:8s} {row['policy']:20s} acc {acc:>6s}  score {row['score']:.3f}  "

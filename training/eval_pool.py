@@ -11,7 +11,8 @@ Terms
                      pairwise different seeds (a repeated seed would count the same draws twice).
     pooled row       acceptance = Σ accepted / Σ proposed and score = mean over every prompt;
                      tokens/s and time per token from the summed tokens and wall time; normalised
-                     time against the pooled AR row of the task.
+                     time against the pooled AR row of the task; the runs' timed chunks side by
+                     side (none if a run has none).
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ def _pool_rows(rows: list[dict]) -> dict:
         "time_per_token_s": wall / max(1, tokens),
         "verify_rounds": sum(r["verify_rounds"] for r in rows),
         "per_prompt": lists,
+        # every run's chunks, side by side: each was timed in its own run's minutes
+        "chunks": {k: [v for r in rows for v in r["chunks"][k]] for k in ("wall_s", "tokens")}
+        if all(r.get("chunks") for r in rows)
+        else None,
     }
 
 

@@ -34,16 +34,24 @@ MARKERS = {"static": "o", "sd_lossy": "^", "cascade": "D", "typical": "v", "lear
 def frontier_groups(task_res: dict) -> dict[str, list[Point]]:
     """method -> its points (SD joins static and lossy as their strict end); AR left out."""
     groups: dict[str, list[Point]] = {}
+    ar = next((r for r in task_res["policies"] if r["family"] == "ar"), None)
+    ar_chunks = _chunk_time(ar) if ar else None
     for r in task_res["policies"]:
         fam = r["family"]
         if fam == "ar" or r["acceptance"] is None:
             continue
         pp = r["per_prompt"]
         point = Point(fam, r["policy"], np.array(pp["scores"], float), np.array(pp["accepted"], float),
-                      np.array(pp["proposed"], float), r["norm_time"])  # fmt: skip
+                      np.array(pp["proposed"], float), r["norm_time"], _chunk_time(r), ar_chunks)  # fmt: skip
         for method in ("static", "sd_lossy") if fam == "sd" else (fam,):
             groups.setdefault(method, []).append(point)
     return groups
+
+
+def _chunk_time(row: dict) -> np.ndarray | None:
+    """A row's `[C, 2]` (seconds, tokens) per interleaved chunk; None for results without them."""
+    chunks = row.get("chunks")
+    return np.array([chunks["wall_s"], chunks["tokens"]], float).T if chunks else None
 
 
 def verdicts(results: dict, boot: int = 400) -> dict:

@@ -21,7 +21,11 @@ Terms
                 point's acceptance and score, every frontier and every difference from them.
 
 The time axis (score vs normalised time, lower is better) uses the same construction on
-`−norm_time`; a point's time is one batch measurement, so its bootstrap varies scores only.
+`−norm_time`. Where the eval kept each interleaved chunk's (seconds, tokens) for every point and
+for AR (`training.policy_eval`: all policies ran chunk j in the same minutes), each resample also
+draws chunk indices, once for all points, and recomputes every normalised time from those chunks:
+the SE then covers the host's timing noise as well as the prompts' draws. Without chunk times
+(older results) a point's time is one measurement and the bootstrap varies scores only.
 """
 
 from __future__ import annotations
@@ -42,7 +46,16 @@ class Point:
     scores: np.ndarray  # [P] per-prompt task score
     accepted: np.ndarray  # [P] accepted draft tokens per prompt
     proposed: np.ndarray  # [P] proposed draft tokens per prompt
-    norm_time: float  # time per token / AR's (one batch measurement)
+    norm_time: float  # time per token / AR's
+    chunk_time: np.ndarray | None = None  # [C, 2] (seconds, completion tokens) per interleaved chunk
+    ar_chunk_time: np.ndarray | None = None  # [C, 2] AR's, same chunks
+
+    def norm_time_on(self, chunks: np.ndarray | None) -> float:
+        """Normalised time over a resample of chunk indices (None: as measured, all chunks)."""
+        if chunks is None or self.chunk_time is None or self.ar_chunk_time is None:
+            return self.norm_time
+        own, ar = self.chunk_time[chunks].sum(0), self.ar_chunk_time[chunks].sum(0)  # [2], [2]
+        return float((own[0] / max(own[1], 1.0)) / (ar[0] / max(ar[1], 1.0)))
 
 
 def _hull(xs: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -70,17 +83,31 @@ def frontier_at(xs: np.ndarray, ys: np.ndarray, grid: np.ndarray) -> np.ndarray:
     return np.where(grid > hx[-1] + 1e-12, np.nan, out)
 
 
-def _coords(points: list[Point], idx: np.ndarray, axis: str) -> tuple[np.ndarray, np.ndarray]:
-    """(x, score) of each point on a prompt resample `idx`; x = acceptance or −norm_time."""
+Sample = tuple[np.ndarray, np.ndarray | None]  # (prompt indices [P], chunk indices [C] or None)
+
+
+def _coords(points: list[Point], sample: Sample, axis: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x, score) of each point on a resample (prompts, chunks); x = acceptance or −norm_time."""
+    idx, chunks = sample
     if axis == "acceptance":
         x = np.array([p.accepted[idx].sum() / max(p.proposed[idx].sum(), 1) for p in points])
     else:
-        x = np.array([-p.norm_time for p in points])
+        x = np.array([-p.norm_time_on(chunks) for p in points])
     return x, np.array([p.scores[idx].mean() for p in points])
 
 
+def _chunk_count(groups: dict[str, list[Point]]) -> int:
+    """C when every point has chunk times over the same C chunks, else 0 (time not resampled)."""
+    counts = {
+        0 if p.chunk_time is None or p.ar_chunk_time is None else len(p.chunk_time)
+        for pts in groups.values()
+        for p in pts
+    }
+    return counts.pop() if len(counts) == 1 else 0
+
+
 def shared_range(groups: dict[str, list[Point]], axis: str) -> tuple[float, float] | None:
-    full = np.arange(len(next(iter(groups.values()))[0].scores))
+    full = (np.arange(len(next(iter(groups.values()))[0].scores)), None)
     lo, hi = -np.inf, np.inf  # lo: lowest of the minima; hi: lowest of the maxima
     for pts in groups.values():
         x, _ = _coords(pts, full, axis)
@@ -100,7 +127,11 @@ def analyse(groups: dict[str, list[Point]], axis: str = "acceptance", boot: int 
     """
     rng = np.random.default_rng(seed)
     prompts = len(next(iter(groups.values()))[0].scores)
-    samples = [np.arange(prompts)] + [rng.integers(0, prompts, prompts) for _ in range(boot)]
+    draws = [rng.integers(0, prompts, prompts) for _ in range(boot)]
+    # chunks from a stream of their own: the prompt resamples stay those of results without chunks
+    rng_chunks, c = np.random.default_rng(seed + 1), _chunk_count(groups)
+    chunks = [rng_chunks.integers(0, c, c) if c > 1 else None for _ in range(boot)]
+    samples: list[Sample] = [(np.arange(prompts), None), *zip(draws, chunks, strict=True)]
     out: dict = {"axis": axis, "range": shared_range(groups, axis), "areas": {}, "pairs": {}}
     if out["range"] is not None:
         grid = np.linspace(*out["range"], GRID)

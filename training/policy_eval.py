@@ -10,8 +10,15 @@ Terms
                   rows also keep them per prompt, with per-prompt scores, for the paired bootstrap
                   of `training.frontiers`.
     score         mean task score (math: exact answer, summary: ROUGE-2 F1, code: pass@1).
-    time/token    a policy's batch wall time / its completion tokens; every request of a policy
-                  is submitted at once, so the engine batches them (up to `max_batch`).
+    time/token    a policy's wall time / its completion tokens; the requests of one chunk are
+                  submitted at once, so the engine batches them (up to `max_batch`).
+    chunk         a slice of a task's prompts (`time_chunks` of them, each >= `max_batch` prompts).
+                  Every policy runs chunk j before any policy runs chunk j + 1, in forward order on
+                  even chunks and reversed on odd ones: a host whose speed drifts over minutes (this
+                  one swings by up to 2x) slows every policy alike instead of whichever row ran
+                  during the slow spell, and a linear drift cancels over each pair of chunks. Rows
+                  keep each chunk's (seconds, tokens), so `training.frontiers` can resample chunks
+                  to give the time axis an SE of its own.
     norm_time     time/token divided by AR's time/token on the same task (AR = 1; < 1 is faster).
     mean_tv       mean TV(p_t, q_t) over the SD completions' positions (teacher-forced): the slope
                   of the theory line `acceptance = 1 − w·TV` (exact per position; averaged here).
@@ -55,6 +62,7 @@ class EvalConfig:
     seed: int = 0
     max_batch: int = 8
     dtype: str | None = None  # None: the engine's default (float32 on CPU); "auto": measured
+    time_chunks: int = 8  # interleaved chunks per task (fewer if a chunk would hold < max_batch prompts)
 
 
 TYPICAL_EPSILON, TYPICAL_DELTA = 0.09, 0.3  # Medusa's defaults, scaled by `typical_sweep`
@@ -118,6 +126,14 @@ def _seed(task: str, i: int, base: int) -> int:
     return (base * 1_000_003 + sum(map(ord, task)) * 10_007 + i) % (2**62)
 
 
+def chunk_bounds(prompts: int, chunks: int, max_batch: int) -> list[tuple[int, int]]:
+    """[start, stop) of each chunk: `chunks` near-equal slices, fewer where a slice would hold
+    fewer than `max_batch` prompts (a chunk smaller than a batch would time a half-empty engine)."""
+    k = max(1, min(chunks, prompts // max(1, max_batch)))
+    edges = [round(i * prompts / k) for i in range(k + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
 def _summarise(spec: PolicySpec, examples, run: BatchRun, ar_tpt: float | None) -> dict:
     scores = [tasks.score(ex, r.text) for ex, r in zip(examples, run.rollouts, strict=True)]
     stats = [r.stats for r in run.rollouts]
@@ -159,22 +175,11 @@ def run_eval(cfg: EvalConfig, heads: dict | None = None, progress=None) -> dict:
         for task in cfg.tasks:
             examples = tasks.load(task, cfg.split, cfg.limit, cfg.seed)
             prompts = [tuple(engine.encode_chat(ex.messages())) for ex in examples]
+            runs = _run_interleaved(engine, cfg, task, prompts, specs, heads, progress)
             rows, ar_tpt, mean_tv = [], None, None
-            for spec in specs:
-                if spec.family.startswith("learned"):
-                    engine.swap_head(heads[spec.head])
-                sampling = [
-                    SamplingOptions(
-                        temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=_seed(task, i, cfg.seed)
-                    )
-                    for i in range(len(prompts))
-                ]
-                reqs = [
-                    GenerationRequest(f"{task}-{i}", p, s, spec.verify)
-                    for i, (p, s) in enumerate(zip(prompts, sampling, strict=True))
-                ]
-                run = generate_batch(engine, reqs)
+            for spec, (run, chunks) in zip(specs, runs, strict=True):  # AR first: the time unit
                 row = _summarise(spec, examples, run, ar_tpt)
+                row["chunks"] = chunks
                 if spec.family == "ar":
                     ar_tpt = row["time_per_token_s"]
                 if spec.family == "sd":
@@ -193,6 +198,32 @@ def run_eval(cfg: EvalConfig, heads: dict | None = None, progress=None) -> dict:
             engine.scheduler.stop()
             engine.scheduler = None
     return results
+
+
+def _run_interleaved(engine, cfg: EvalConfig, task: str, prompts, specs, heads, progress):
+    """Every spec on every prompt, chunk by chunk (see "chunk" in the module doc). Returns per spec
+    (its BatchRun over all prompts in order, {"wall_s": [...], "tokens": [...]} per chunk)."""
+    bounds = chunk_bounds(len(prompts), cfg.time_chunks, cfg.max_batch)
+    rollouts: list[list] = [[] for _ in specs]
+    chunks = [{"wall_s": [], "tokens": []} for _ in specs]
+    sampling = [
+        SamplingOptions(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=_seed(task, i, cfg.seed))
+        for i in range(len(prompts))
+    ]
+    for j, (lo, hi) in enumerate(bounds):
+        order = list(enumerate(specs)) if j % 2 == 0 else list(enumerate(specs))[::-1]
+        for k, spec in order:
+            if spec.family.startswith("learned"):
+                engine.swap_head(heads[spec.head])
+            ids = range(lo, hi)
+            reqs = [GenerationRequest(f"{task}-{i}", prompts[i], sampling[i], spec.verify) for i in ids]
+            run = generate_batch(engine, reqs)
+            rollouts[k] += run.rollouts
+            chunks[k]["wall_s"].append(run.wall_s)
+            chunks[k]["tokens"].append(run.completion_tokens)
+        if progress and len(bounds) > 1:
+            progress(task, {"chunk": j + 1, "chunks": len(bounds)})
+    return [(BatchRun(r, sum(c["wall_s"])), c) for r, c in zip(rollouts, chunks, strict=True)]
 
 
 def _warmup(engine: EmbeddedEngine, cfg: EvalConfig) -> None:
