@@ -404,12 +404,21 @@ class DraftPlanner:
         if out.bonus_rows:  # a draft step right after the target's forward, timed alone
             step = seconds["bonus"] - (0.0 if n else caught_up)
             cost.observe("first_draft", len(out.bonus_rows), 1, max(step, 0.0))
-        if n:  # one first step (priced as learned so far), then n - 1 steps after draft steps
+        if n:  # one first step, then n - 1 steps after draft steps
             phase = max(seconds["draft"] - caught_up, 0.0)
             if n == 1:
                 cost.observe("first_draft", r, 1, phase)
             else:
-                cost.observe("draft", r, 1, max(phase - cost.time("first_draft", r, 1), 0.0) / (n - 1))
+                # Split the phase between the two in the model's current proportion: a host that
+                # speeds up or slows down moves both alike, while the first step's share is set by
+                # the rounds that time it alone (bonus steps, n = 1) and the profile. Subtracting
+                # the first step's estimate instead put all of a stale one's error on the later
+                # steps: (phase − f̂)/(n − 1) read 0.79 ms for a 1.65 ms step at n = 4 once the host
+                # had sped up, and moved the exact tier's choice of n with it.
+                first, later = cost.time("first_draft", r, 1), cost.time("draft", r, 1)
+                scale = phase / (first + (n - 1) * later) if first + (n - 1) * later > 0 else 0.0
+                cost.observe("first_draft", r, 1, first * scale)
+                cost.observe("draft", r, 1, later * scale if scale else phase / n)
         cost.observe("score", r, n + 1, forward)
         cost.observe("check", r, n, seconds["verify_call"])
         staged = sum(v for k, v in seconds.items() if k != "round")
