@@ -96,7 +96,7 @@ def test_learned_without_head_is_rejected(tiny_pair):
         asyncio.run(eng.stop())
 
 
-@pytest.mark.parametrize("inputs", ["states", "both"])
+@pytest.mark.parametrize("inputs", ["states", "stats", "both"])
 def test_saved_weight_head_loads_and_sets_w(tiny_pair, tmp_path, inputs):
     """A `verifier.head.WeightHead` saved to disk is loaded by path; a fresh head predicts w = 0.5
     (a head reading position stats is handed them by the round)."""
@@ -216,7 +216,8 @@ def test_streamed_text_matches_full_decode(engine):
 def test_a_head_pinned_at_the_top_of_the_dial_serves_d_1_as_sd_without_bonus_draft_steps(tiny_pair):
     """With `exact_at_full_dial` the head's w is 1 at d = 1, so ν = p at the bonus position too: the
     row is lossless SD, token for token, and runs no extra draft step to read q there (it did, at
-    a measured 14 % of SD's time on the embedded pair's math). Below the top it still needs q."""
+    a measured 14 % of SD's time on the embedded pair's math), nor the head itself: it is a static
+    w = 1 row in every round. Below the top it still needs q and the head."""
     from server.engine.head_store import head_for_pair
 
     head = head_for_pair(
@@ -234,11 +235,15 @@ def test_a_head_pinned_at_the_top_of_the_dial_serves_d_1_as_sd_without_bonus_dra
         assert eng.make_row(below, lambda item: None).needs_q
         timers = eng.scheduler.timers
         timers.reset()
+        calls = []
+        models = eng.scheduler.models
+        models.head = lambda *a, _h=models.head: calls.append(1) or _h(*a)  # counts its calls
+        models.head.config = head.config
         sd_ids = asyncio.run(_collect(eng, sd))[0]
         assert timers.bonus_steps == 0
         top_ids = asyncio.run(_collect(eng, top))[0]
-        assert top_ids == sd_ids and timers.bonus_steps == 0
+        assert top_ids == sd_ids and timers.bonus_steps == 0 and not calls
         asyncio.run(_collect(eng, below))
-        assert timers.bonus_steps > 0  # d < 1: the bonus is drawn from ν, which reads q
+        assert timers.bonus_steps > 0 and calls  # d < 1: the head, and q for the bonus from ν
     finally:
         asyncio.run(eng.stop())

@@ -123,9 +123,14 @@ class WeightHead(nn.Module):
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
-    def _raw(self, h_draft: torch.Tensor, h_target: torch.Tensor, stats) -> torch.Tensor:
-        """The chosen inputs concatenated, unstandardised: `[..., F]` float32."""
+    def _raw(self, h_draft, h_target, stats) -> torch.Tensor:
+        """The chosen inputs concatenated, unstandardised: `[..., F]` float32. A head that does not
+        read states may be handed None for them (the engine skips gathering what is not read)."""
         c = self.config
+        if not c.uses_states and (h_draft is None or h_target is None):
+            if stats is None:
+                raise ValueError(f"this head reads position stats [R, N, {len(STAT_NAMES)}]; got None")
+            return stats.float()
         if h_draft.shape[:-1] != h_target.shape[:-1]:
             shapes = f"{tuple(h_draft.shape)} and {tuple(h_target.shape)}"
             raise ValueError(f"h_draft and h_target differ in [R, N]: {shapes}")
@@ -181,6 +186,11 @@ class WeightHead(nn.Module):
             top = dial.to(w.device).view(-1, 1) >= 1.0  # [R, 1]
             w = torch.where(top, torch.ones_like(w), w)
         return w
+
+
+def wants_states(head) -> bool:
+    """Whether `head` (a WeightHead or any callable) must be handed hidden states (else None)."""
+    return bool(getattr(getattr(head, "config", None), "uses_states", True))
 
 
 def wants_stats(head) -> bool:

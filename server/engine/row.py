@@ -82,10 +82,14 @@ class Row:
         # The bonus (and at N = 0 the token) is drawn from ν = w·p + (1−w)·q, which needs q — unless
         # w is 1 there: a static w = 1, or a head pinned to w = 1 at the top of its dial (ν = p).
         pinned = self.learned and self.head_exact_at_top and self.dial >= 1.0
+        # A pinned row is a static w = 1 row in every round: its head would only return ones.
+        self.uses_head = self.learned and not pinned
+        if pinned:
+            self.weight = 1.0
         self.needs_q = (
             self.speculative
             and self.policy.kind == PolicyKind.ENSEMBLE
-            and ((self.learned and not pinned) or self.weight < 1.0)
+            and (self.uses_head or self.weight < 1.0)
         )
         # ν = q at w = 0 (`verifier.dial`): the draft's own samples are exactly ν's.
         self.draft_only = (

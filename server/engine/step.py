@@ -39,7 +39,7 @@ from server.engine.llama import Transformer
 from server.engine.round_timers import StepTimers
 from server.engine.row import Row
 from verifier import PolicyBatch, PolicyKind, logits_to_probs, pick_tokens, tv_estimates, verify
-from verifier.head import position_stats, wants_stats
+from verifier.head import position_stats, wants_states, wants_stats
 
 WeightHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -227,18 +227,27 @@ def score(models: Models, b: RoundBatch, d: Drafts) -> Scores:
 
 def _learned_weights(models: Models, b: RoundBatch, h_draft, h_target, p, q, static) -> torch.Tensor:
     """`static` `[R, T]` with the learned rows' entries replaced by the head's w_t, from the states
-    `[R, T, Hd]`, `[R, T, Ht]` and (for heads that read them) p, q `[R, T, V]` at those positions."""
-    learned = [i for i, row in enumerate(b.rows) if row.learned]
-    weights = static.clone()
+    `[R, T, Hd]`, `[R, T, Ht]` (for heads that read them) and p, q `[R, T, V]` at those positions
+    (for heads that read their statistics). A batch of learned rows only, the usual case, skips the
+    gather and scatter: on the embedded pair the head's path is per-op overhead."""
+    learned = [i for i, row in enumerate(b.rows) if row.uses_head]
     if not learned:
-        return weights
-    idx = b.column(learned)
+        return static
+    idx = None if len(learned) == b.size else b.column(learned)  # [R'] or every row
+
+    def pick(x: torch.Tensor) -> torch.Tensor:
+        return x if idx is None else x[idx]
+
     dial = b.column([b.rows[i].dial for i in learned], torch.float32)  # [R']
-    inputs = [h_draft[idx].float(), h_target[idx].float(), dial]  # [R', T, Hd], [R', T, Ht], [R']
+    states = [pick(h_draft).float(), pick(h_target).float()] if wants_states(models.head) else [None, None]
+    inputs = [*states, dial]  # [R', T, Hd], [R', T, Ht] (or None), [R']
     if wants_stats(models.head):  # p and q at these positions, after the sampling transform
-        inputs.append(position_stats(p[idx], q[idx]))  # [R', T, 5]
-    w_head = models.head(*inputs)  # [R', T]
-    weights[idx] = w_head.to(weights.dtype).clamp(0.0, 1.0)
+        inputs.append(position_stats(pick(p), pick(q)))  # [R', T, 5]
+    w_head = models.head(*inputs).to(static.dtype).clamp(0.0, 1.0)  # [R', T]
+    if idx is None:
+        return w_head
+    weights = static.clone()
+    weights[idx] = w_head
     return weights
 
 
@@ -248,7 +257,7 @@ def ensemble_weights(models: Models, b: RoundBatch, d: Drafts, s: Scores):
     Static rows pass their w as a float when the group agrees (verify broadcasts it), else `[R]`;
     learned rows get the head's `[R, N]` w_t from their states and dial."""
     r, n = b.size, b.n
-    if not any(row.learned for row in b.rows) or n == 0:
+    if not any(row.uses_head for row in b.rows) or n == 0:
         return _param(b.rows, "weight", b.device), [[row.weight] * n for row in b.rows]
     static = b.column([row.weight for row in b.rows], torch.float32).view(-1, 1).expand(r, n)  # [R, N]
     weights = _learned_weights(models, b, d.hidden, s.hidden[:, :n], s.probs[:, :n], d.probs, static)
