@@ -44,7 +44,9 @@ Profile: at engine start, within a time budget, the stages run on dummy tokens a
 that matter most first (batch 1 across T, then the largest batch); other points are interpolated
 over M, piecewise linearly, and extrapolated past the largest measured M (`time`). Online: every
 round's measured stage times update their entries (a running mean, then an exponential average),
-so decisions follow the host's actual speed. A model is cached as JSON per pair shape + device +
+so decisions follow the host's actual speed; a draft phase of n > 1 steps is split between
+`first_draft` and `draft` in their current proportion, which the steps timed alone (a bonus step,
+n = 1) and the profile set (`DraftPlanner.learn`). A model is cached as JSON per pair shape + device +
 dtype + threads + engine code (`cache_key`), so a restart skips the profile.
 """
 
