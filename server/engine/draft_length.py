@@ -416,9 +416,12 @@ class DraftPlanner:
                 # steps: (phase − f̂)/(n − 1) read 0.79 ms for a 1.65 ms step at n = 4 once the host
                 # had sped up, and moved the exact tier's choice of n with it.
                 first, later = cost.time("first_draft", r, 1), cost.time("draft", r, 1)
-                scale = phase / (first + (n - 1) * later) if first + (n - 1) * later > 0 else 0.0
-                cost.observe("first_draft", r, 1, first * scale)
-                cost.observe("draft", r, 1, later * scale if scale else phase / n)
+                total = first + (n - 1) * later
+                if total > 0:
+                    cost.observe("first_draft", r, 1, first * phase / total)
+                    cost.observe("draft", r, 1, later * phase / total)
+                else:  # nothing learned yet: an even split
+                    cost.observe("draft", r, 1, phase / n)
         cost.observe("score", r, n + 1, forward)
         cost.observe("check", r, n, seconds["verify_call"])
         staged = sum(v for k, v in seconds.items() if k != "round")
