@@ -171,7 +171,25 @@ def test_cache_is_keyed_by_shape_device_dtype_and_code(models, tmp_path):
     assert path.is_file() and first.meta["source"] == "profile"
     again = load_or_profile(models, 4, 8, 0.5, tmp_path)
     assert again.meta["source"] == "cache"
-    assert again.time("score", 1, 1) == pytest.approx(first.time("score", 1, 1))
+    shape = lambda m: m.time("score", 1, 5) / m.time("score", 1, 1)  # noqa: E731
+    assert shape(again) == pytest.approx(shape(first))  # the cached shape, at today's level
     key = cache_key(models)
     assert cache_path(tmp_path, key | {"dtype": "torch.bfloat16"}) != path
     assert cache_path(tmp_path, key | {"code": "edited"}) != path  # timings of other engine code
+
+
+def test_a_cached_model_is_rescaled_to_this_hosts_speed(models, tmp_path):
+    """A cache profiled in a spell 10x slower than now (every entry x 10) loads at today's speed:
+    re-timing two stages at load gives a factor near 0.1 (bounds: this host's speed moves by up
+    to 3x between the two profiles either way), and the cached shape is kept exactly."""
+    first = load_or_profile(models, 4, 8, 0.5, tmp_path)
+    path = cache_path(tmp_path, cache_key(models))
+    data = json.loads(path.read_text())
+    for row in data["entries"]:
+        row[3] *= 10
+    path.write_text(json.dumps(data))
+    again = load_or_profile(models, 4, 8, 0.5, tmp_path)
+    assert 0.1 / 3 < again.meta["recalibrated"] < 0.1 * 3
+    for kind, t in (("score", 5), ("draft", 1), ("check", 4)):
+        ratio = again.time(kind, 4, t) / first.time(kind, 4, t)
+        assert ratio == pytest.approx(10 * again.meta["recalibrated"], rel=1e-2)  # one factor for all

@@ -441,15 +441,46 @@ def load_or_profile(
     if path is not None and path.is_file():
         try:
             model = CostModel.from_dict(json.loads(path.read_text()))
-            model.meta.update(source="cache", path=str(path))
-            return model
         except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-            pass  # unreadable or another format: profile again and overwrite
+            model = None  # unreadable or another format: profile again and overwrite
+        if model is not None:
+            model.meta.update(source="cache", path=str(path))
+            recalibrate(model, models)
+            return model
     model = profile(models, max_batch, max_num_draft, budget_s)
     model.meta.update(device=key["device"], dtype=key["dtype"], threads=key["threads"])
     if path is not None:
         save(model, path)
     return model
+
+
+def recalibrate(model: CostModel, models: Models) -> float:
+    """Scale a cached model to this host's speed now; returns the factor (also in `meta`).
+
+    A cache keeps the speeds of the minutes it was profiled in, and this host's speed swings by up
+    to 2x. Rounds correct only the stages they exercise: decoding plainly re-times the target's
+    1-token forward but never the draft or the longer forwards, so a model cached in a slow spell
+    went on pricing drafting at the slow speed and the planner never drafted (seen: a fresh engine
+    on a 2x-slow cache decoded 8 requests plainly where drafting ran 1.35x). The target's 1-token
+    forward and a draft step are timed once more (median of 3 when cheap) and every entry is
+    scaled by the geometric mean of measured / cached: the cached shape is kept, its level is
+    this host's now."""
+    stages = _Stages(models)
+    stages.run("score", 1, 1)  # first-call costs out of the clock, as in `profile`
+    stages.run("draft", 1, 1)
+    logs = []
+    for kind in ("score", "draft"):
+        cached = model.time(kind, 1, 1)
+        if cached > 0:
+            cheap = cached < 0.02
+            measured = stages.measure(kind, 1, 1, 3 if cheap else 1, warm_up=cheap)
+            logs.append(math.log(max(measured, 1e-9) / cached))
+    factor = math.exp(sum(logs) / len(logs)) if logs else 1.0
+    for e in model.entries.values():
+        e.seconds *= factor
+    model._curves.clear()
+    model.meta["recalibrated"] = round(factor, 4)
+    return factor
 
 
 def save(model: CostModel, path: Path) -> None:
