@@ -208,6 +208,12 @@ class CostModel:
         e.seconds += max(1.0 / e.count, _EMA) * (float(seconds) - e.seconds)
         self._curves.pop(kind, None)
 
+    def scale(self, factor: float) -> None:
+        """Every entry times `factor` (the host's speed changed; the shape did not)."""
+        for e in self.entries.values():
+            e.seconds *= factor
+        self._curves.clear()
+
     def copy(self) -> CostModel:
         out = CostModel(self.meta)
         out.entries = {k: Entry(e.seconds, e.count) for k, e in self.entries.items()}
@@ -476,9 +482,7 @@ def recalibrate(model: CostModel, models: Models) -> float:
             measured = stages.measure(kind, 1, 1, 3 if cheap else 1, warm_up=cheap)
             logs.append(math.log(max(measured, 1e-9) / cached))
     factor = math.exp(sum(logs) / len(logs)) if logs else 1.0
-    for e in model.entries.values():
-        e.seconds *= factor
-    model._curves.clear()
+    model.scale(factor)
     model.meta["recalibrated"] = round(factor, 4)
     return factor
 
