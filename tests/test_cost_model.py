@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from server.engine.cost_model import CostModel, cache_key, cache_path, load_or_profile, profile
+from server.engine.cost_model import CostModel
+from server.engine.cost_profile import cache_key, cache_path, load_or_profile, profile
 from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
 
@@ -143,9 +144,9 @@ def test_profile_measures_the_stages_within_its_budget(models):
 def test_first_call_costs_do_not_eat_the_profile_budget(models, monkeypatch):
     """A real-size model's first forward (first touch of its weights) can take longer than the
     whole budget; it runs before the clock, so the budget still buys the T = N_max + 1 point."""
-    from server.engine import cost_model
+    from server.engine import cost_profile
 
-    real_run = cost_model._Stages.run
+    real_run = cost_profile._Stages.run
     first = {"done": False}
 
     def slow_first(self, kind, r, t):
@@ -154,7 +155,7 @@ def test_first_call_costs_do_not_eat_the_profile_budget(models, monkeypatch):
             time.sleep(0.6)
         return real_run(self, kind, r, t)
 
-    monkeypatch.setattr(cost_model._Stages, "run", slow_first)
+    monkeypatch.setattr(cost_profile._Stages, "run", slow_first)
     m = profile(models, max_batch=4, max_num_draft=8, budget_s=0.5)
     assert {("score", 1, 1), ("draft", 1, 1), ("score", 1, 9)} <= set(m.entries)
     assert m.meta["warm_up_s"] >= 0.6 and m.meta["profile_s"] < 0.6 + 0.5

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine import cost_model, dtype_choice
+from server.engine import cost_profile, dtype_choice
 
 
 def test_a_burst_of_load_during_one_candidate_does_not_decide(tiny_pair, monkeypatch):
@@ -58,5 +58,5 @@ def test_a_cached_choice_is_reused_until_the_engine_code_changes(tiny_pair, tmp_
     first = dtype_choice.choose_dtype(*tiny_pair, cpu, 2, tmp_path)
     again = dtype_choice.choose_dtype(*tiny_pair, cpu, 2, tmp_path)
     assert first[1]["source"] == "probe" and again[1]["source"] == "cache" and again[0] == first[0]
-    monkeypatch.setattr(cost_model, "code_digest", lambda: "edited")
+    monkeypatch.setattr(cost_profile, "code_digest", lambda: "edited")
     assert dtype_choice.choose_dtype(*tiny_pair, cpu, 2, tmp_path)[1]["source"] == "probe"

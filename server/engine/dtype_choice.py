@@ -127,7 +127,7 @@ def choose_dtype(
     """(dtype, why) for `--dtype auto` (see the module doc)."""
     if device.type == "cuda":
         return torch.bfloat16, {"rule": "cuda: bfloat16"}
-    from server.engine.cost_model import code_digest, device_name
+    from server.engine.cost_profile import code_digest, device_name
 
     key = {
         "configs": [json.loads((Path(p) / "config.json").read_text()) for p in (target_path, draft_path)],

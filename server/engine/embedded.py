@@ -179,7 +179,7 @@ class EmbeddedEngine:
             return self._load_models(device, threads)
 
     def _load_models(self, device: torch.device, threads: int | None) -> Models:
-        from server.engine.cost_model import load_or_profile
+        from server.engine.cost_profile import load_or_profile
         from server.engine.draft_length import DraftPlanner
         from server.engine.llama import load_model
 
@@ -265,7 +265,7 @@ class EmbeddedEngine:
         """Keep what the rounds taught the cost model for the next start (when caching)."""
         if self.config.cache_dir is None or sched.models.planner is None:
             return
-        from server.engine.cost_model import cache_key, cache_path, save
+        from server.engine.cost_profile import cache_key, cache_path, save
 
         save(sched.models.planner.cost, cache_path(Path(self.config.cache_dir), cache_key(sched.models)))
 

@@ -209,7 +209,7 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from server.engine.cost_model import device_name
+    from server.engine.cost_profile import device_name
     from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
     cfg = BenchConfig(str(target_path), str(draft_path), **options)
