@@ -46,8 +46,21 @@ over M, piecewise linearly, and extrapolated past the largest measured M (`time`
 round's measured stage times update their entries (a running mean, then an exponential average),
 so decisions follow the host's actual speed; a draft phase of n > 1 steps is split between
 `first_draft` and `draft` in their current proportion, which the steps timed alone (a bonus step,
-n = 1) and the profile set (`DraftPlanner.learn`). A model is cached as JSON per pair shape + device +
-dtype + threads + engine code (`cost_profile.cache_key`), so a restart skips the profile.
+n = 1) and the profile set (`DraftPlanner.learn`). A model is cached as JSON per pair shape +
+device + dtype + threads + engine code (`cost_profile.cache_key`), so a restart skips the profile.
+
+Level: rounds re-time only the stages they run. While the planner decodes plainly, the draft and
+the longer forwards are not re-timed, and a host that then slows down or speeds up (this one swings
+by up to 2x over minutes) would leave drafting priced at the old speed against a plain round at the
+new one: after a fast spell made plain rounds cheap, the planner would not draft again. So the model
+keeps a `level`, the log of how far the host has moved: an average, over observations as they
+arrive, of each re-timed entry's log(value now / its reference), the reference being the entry's
+value once it had averaged `_REF_SEEN` online observations (brought to level 0), so a profile's
+bias on dummy inputs does not read as the host moving. Only the stages that compute count
+(forwards and the check): `other` and `step` are the scheduler's Python, which drifts on its own
+(+0.3 where forwards read +0.04 over one minute here). An entry not written in the last
+`_STALE_AFTER` observations reads scaled by exp(level − its level when last written); entries the
+rounds re-time read as measured.
 """
 
 from __future__ import annotations
@@ -61,6 +74,18 @@ KINDS = ("draft", "first_draft", "score", "check", "other", "draft_only", "catch
 _FALLBACK = {"draft_only": "draft", "catch_up": "draft", "first_draft": "draft"}
 _EMA = 0.1  # weight of a new observation once an entry has 10 (a ~10-round memory)
 _CACHED_COUNT = 3  # a cached entry counts as 3 observations: this host's rounds soon outweigh it
+# The level (see the module doc). Its weight per observation: a plain round makes two that count
+# (score, check), so it follows the re-timed entries within ~5 rounds; they are averages already.
+_LEVEL_RATE = 0.1
+_LEVEL_KINDS = frozenset(KINDS) - {"other", "step"}
+_LEVEL_CLIP = 0.7  # one reading moves the level by at most this log step (a 2x outlier)
+_LEVEL_FLOOR = 1e-5  # entries under 10 µs time noise more than the host: no reading
+_LEVEL_BUCKET = 0.01  # fits are cached until the level moves by 1 %
+# An entry's reference is the mean of log(value) − level over its online observations
+# _REF_SEEN .. _REF_SEEN + _REF_SPAN − 1: its value (an average itself) from then on, less noisy
+# than one reading of it (σ 0.3 per observation: one reading's error has σ ~0.1, the mean's ~0.05).
+_REF_SEEN, _REF_SPAN = 8, 24
+_STALE_AFTER = 64  # observations (~16 rounds) without a write before an entry follows the level
 FORMAT = "dialspec-cost-model/1"
 
 
@@ -77,6 +102,10 @@ def _size(kind: str, r: int, t: int) -> int:
 class Entry:
     seconds: float
     count: int = 1
+    mark: float = 0.0  # the model's level when `seconds` was written
+    last: int = 0  # the model's `updates` then
+    seen: int = 0  # online observations (`observe`)
+    ref: float = 0.0  # its reference (see _REF_SEEN), complete once seen >= _REF_SEEN + _REF_SPAN
 
 
 class CostModel:
@@ -89,7 +118,14 @@ class CostModel:
         self.entries: dict[tuple[str, int, int], Entry] = {}
         self.meta = dict(meta or {})
         self.updates = 0  # online observations so far (plans may cache on it)
+        self.level = 0.0  # log of the host's speed change (see "Level" in the module doc)
+        self._level_bucket = 0
         self._curves: dict[str, tuple[list[int], list[float]]] = {}
+
+    def _read(self, e: Entry) -> float:
+        if self.updates - e.last <= _STALE_AFTER:
+            return e.seconds
+        return e.seconds * math.exp(self.level - e.mark)
 
     # -- reading ---------------------------------------------------------------------------
     def _fit(self, kind: str) -> tuple[dict[int, list[tuple[int, float]]], list[int], list[float]]:
@@ -107,7 +143,7 @@ class CostModel:
             by_size: dict[int, list[Entry]] = {}
             for rr, points in by_batch.items():
                 points.sort(key=lambda p: p[0])
-                values = _isotonic([e.seconds for _, e in points], [e.count for _, e in points])
+                values = _isotonic([self._read(e) for _, e in points], [e.count for _, e in points])
                 per_batch[rr] = [(tt, v) for (tt, _), v in zip(points, values, strict=True)]
                 for (tt, e), v in zip(points, values, strict=True):
                     by_size.setdefault(_size(kind, rr, tt), []).append(Entry(v, e.count))
@@ -182,34 +218,56 @@ class CostModel:
     def set(self, kind: str, r: int, t: int, seconds: float, count: int = 1) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown stage {kind!r}; one of {KINDS}")
-        self.entries[(kind, r, t)] = Entry(float(seconds), count)
+        self.entries[(kind, r, t)] = Entry(float(seconds), count, self.level, self.updates)
         self._curves.pop(kind, None)
 
     def observe(self, kind: str, r: int, t: int, seconds: float) -> None:
-        """One measured stage time: a running mean for the first observations, then an EMA."""
+        """One measured stage time: a running mean for the first observations, then an EMA; then
+        the entry's log(now / reference) moves the level (see "Level" in the module doc)."""
         self.updates += 1
         e = self.entries.get((kind, r, t))
         if e is None:
             self.set(kind, r, t, seconds)
             return
+        e.seconds = self._read(e)  # a stale entry at the level first, then this observation
         e.count += 1
         e.seconds += max(1.0 / e.count, _EMA) * (float(seconds) - e.seconds)
-        self._curves.pop(kind, None)
+        e.seen += 1
+        e.last = self.updates
+        if kind in _LEVEL_KINDS and e.seconds > _LEVEL_FLOOR and e.seen >= _REF_SEEN:
+            reading = math.log(e.seconds) - self.level
+            k = e.seen - _REF_SEEN
+            if k < _REF_SPAN:
+                e.ref += (reading - e.ref) / (k + 1)
+            else:
+                step = reading - e.ref
+                self.level += _LEVEL_RATE * min(max(step, -_LEVEL_CLIP), _LEVEL_CLIP)
+        e.mark = self.level
+        bucket = round(self.level / _LEVEL_BUCKET)
+        if bucket != self._level_bucket:
+            self._level_bucket = bucket
+            self._curves.clear()
+        else:
+            self._curves.pop(kind, None)
 
     def scale(self, factor: float) -> None:
-        """Every entry times `factor` (the host's speed changed; the shape did not)."""
+        """Every entry times `factor` (the host's speed changed; the shape did not). References
+        move too: the level measures change from here on, not this change once more."""
         for e in self.entries.values():
             e.seconds *= factor
+            e.ref += math.log(factor)
         self._curves.clear()
 
     def copy(self) -> CostModel:
         out = CostModel(self.meta)
-        out.entries = {k: Entry(e.seconds, e.count) for k, e in self.entries.items()}
+        out.entries = {k: Entry(**vars(e)) for k, e in self.entries.items()}
+        out.updates = self.updates
+        out.level, out._level_bucket = self.level, self._level_bucket
         return out
 
     # -- (de)serialising and showing -------------------------------------------------------
     def to_dict(self) -> dict:
-        rows = [[k, r, t, e.seconds, e.count] for (k, r, t), e in sorted(self.entries.items())]
+        rows = [[k, r, t, self._read(e), e.count] for (k, r, t), e in sorted(self.entries.items())]
         return {"format": FORMAT, "meta": self.meta, "entries": rows}
 
     @classmethod
