@@ -1,4 +1,5 @@
-"""The draft-length policy (server/engine/draft_length.py) on synthetic cost structures.
+"""The draft-length policy (server/engine/draft_length.py) and its planner (draft_planner.py) on
+synthetic cost structures.
 
 Two cost structures bracket the hardware: `overhead_bound` (a forward costs about the same for 1
 or 9 tokens, the draft is cheap: small models, or GPUs at small batch) and `compute_bound` (cost
@@ -14,7 +15,6 @@ import pytest
 from server.engine.cost_model import CostModel
 from server.engine.draft_length import (
     AcceptanceEstimate,
-    DraftPlanner,
     PairAgreement,
     RowChoice,
     catch_up_bucket,
@@ -23,6 +23,7 @@ from server.engine.draft_length import (
     expected_tokens,
     goodput,
 )
+from server.engine.draft_planner import DraftPlanner
 
 MAX_N = 8
 

@@ -35,7 +35,8 @@ Terms
               step whatever n (cost kind `step`): leaving it out made plain decoding look
               cheaper than it is, by ~12 % on the embedded pair.
 
-`choose` is the pure policy; `DraftPlanner` feeds it from rows and the engine's cost model.
+`choose` is the pure policy; `draft_planner.DraftPlanner` feeds it from rows and the engine's cost
+model.
 Choosing n never changes what is sampled: whatever n a round has, it emits tokens distributed
 exactly as ν, and n is fixed from the past alone, so this is purely a speed decision.
 """
@@ -46,7 +47,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from verifier.dial import PolicyKind
 from verifier.theory import expected_accepted_length_constant
 
 PRIOR_STRENGTH = 8.0  # the prior β counts as this many observed positions
@@ -59,11 +59,11 @@ CATCHUP_STEPS_PER_DOUBLING = 4
 RoundTime = Callable[[int, int, float], float]  # (rows, n, expected bonus steps) -> seconds
 
 
-def _grid(beta: float) -> float:
+def beta_grid(beta: float) -> float:
     return round(round(beta / BETA_STEP) * BETA_STEP, 4)
 
 
-def _log_grid(seconds: float) -> float:
+def log_grid(seconds: float) -> float:
     if seconds <= 0:
         return 0.0
     k = CATCHUP_STEPS_PER_DOUBLING
@@ -147,13 +147,13 @@ def goodput(rows: Sequence[RowChoice], ns: Sequence[int], round_time: RoundTime,
         groups.setdefault(n, []).append(row)
     seconds = step
     for n, group in groups.items():
-        seconds += round_time(len(group), n, _bonus_steps([r.beta for r in group if _needs_q(r, n)], n))
-        seconds += sum(r.catchup for r in group if n or _needs_q(r, n))
+        seconds += round_time(len(group), n, bonus_steps([r.beta for r in group if draws_q(r, n)], n))
+        seconds += sum(r.catchup for r in group if n or draws_q(r, n))
     tokens = sum(expected_tokens(r.beta, _useful(r, n)) for r, n in zip(rows, ns, strict=True))
     return tokens / seconds if seconds > 0 else math.inf
 
 
-def _needs_q(row: RowChoice, n: int) -> bool:
+def draws_q(row: RowChoice, n: int) -> bool:
     return row.needs_q and (n > 0 or row.q_at_zero)
 
 
@@ -161,7 +161,7 @@ def _useful(row: RowChoice, n: int) -> int:
     return n if row.cap is None else min(n, row.cap)
 
 
-def _bonus_steps(needy_betas: Sequence[float], n: int) -> float:
+def bonus_steps(needy_betas: Sequence[float], n: int) -> float:
     """Expected bonus draft steps of a round: P(some row that needs q accepts all n drafts)."""
     if not needy_betas:
         return 0.0
@@ -205,7 +205,7 @@ class _Search:
             if g is None:
                 g = groups[n] = [0, 1.0, False, 0.0]
             g[0] += k
-            needy = _needs_q(row, n)
+            needy = draws_q(row, n)
             if needy:
                 g[1] *= self.no_bonus[c][n]
                 g[2] = True
@@ -259,170 +259,3 @@ def choose(
                 break
         base = best if best_score >= floor * (1 + margin) else base
     return [base[c] for c in search.row_class]
-
-
-class RoundTable:
-    """`round_time` from a dense snapshot of a cost model (rows 1..max_batch, n 0..max_n),
-    rebuilt every `every` model updates (about 4 per round, so every ~16 rounds: the model moves
-    slowly, and a rebuild also drops the cached plans): the search asks for hundreds of round
-    times a step."""
-
-    def __init__(self, cost, max_batch: int, max_n: int, every: int = 64):
-        self.cost, self.max_batch, self.max_n, self.every = cost, max_batch, max_n, every
-        self.epoch = -1
-
-    def refresh(self) -> None:
-        epoch = self.cost.updates // self.every
-        if epoch == self.epoch:
-            return
-        self.epoch = epoch
-        c = self.cost
-        rs = range(1, self.max_batch + 1)
-        self.base = {r: [c.round_time(r, n) for n in range(self.max_n + 1)] for r in rs}
-        self.bonus_step = {r: c.time("first_draft", r, 1) for r in rs}  # it follows the target's forward
-        self.overhead = {r: c.time("step", r, 0) for r in rs}
-
-    def __call__(self, r: int, n: int, bonus: float = 0.0) -> float:
-        if r > self.max_batch or n > self.max_n:
-            return self.cost.round_time(r, n, bonus)
-        return self.base[r][n] + bonus * self.bonus_step[r]
-
-    def step(self, r: int) -> float:
-        """The scheduler's seconds outside rounds in a step of r running rows."""
-        return self.overhead[r] if r in self.overhead else self.cost.time("step", r, 0)
-
-
-class DraftPlanner:
-    """The engine's side of the policy: sets `row.num_draft` for adaptive rows each step, learns
-    from each round (acceptance, TV̂, stage times into the cost model) and predicts round times.
-
-    Rows are read duck-typed: `adaptive`, `draft_only`, `num_draft`, `needs_q`, `p_when_undrafted`,
-    `estimate`, `prior_weight`, `policy.kind`, `draft_lag`, `tokens_left`. Plans are cached per
-    batch signature (rounded β, needs_q, fixed, catch-up per row; rows running) and cost-table
-    epoch, so steady batches do not re-run the search every step. `profile` is the
-    start-up cost model, kept unchanged to report how well it alone predicts rounds. `force`
-    pins every adaptive row to one N (benchmarks sweep fixed N with it, N = 0 included)."""
-
-    def __init__(self, cost, max_n: int, margin: float = MARGIN, max_batch: int = 8):
-        self.cost = cost
-        self.profile = cost.copy()
-        self.max_n = max_n
-        self.margin = margin
-        self.force: int | None = None
-        self.agreement = PairAgreement()
-        self.table = RoundTable(cost, max_batch, max_n)
-        self._plans: dict[tuple, list[int]] = {}
-
-    def set_cost(self, cost) -> None:
-        """Decide from another cost model from now on (tests and experiments pin one)."""
-        self.cost = cost
-        self.table = RoundTable(cost, self.table.max_batch, self.max_n)
-        self._plans.clear()
-
-    def row_choice(self, row) -> RowChoice:
-        w = row.prior_weight if row.policy.kind == PolicyKind.ENSEMBLE else 1.0
-        prior = 1.0 - w * self.agreement.tv
-        fixed = None if row.adaptive else row.num_draft
-        beta = row.estimate.beta(prior)
-        catchup = 0.0
-        if row.draft_lag > 2:  # a forward over the lag, spread over the rounds left
-            rounds_left = max(1.0, row.tokens_left / expected_tokens(beta, max(self.max_n // 2, 1)))
-            catchup = _log_grid(self.cost.time("catch_up", row.draft_lag - 1, 1) / rounds_left)
-        # Near its end a request cannot emit more than it has left; far from it, no cap, so that
-        # rows of one tier form one class for the search (β on a grid for the same reason).
-        cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
-        return RowChoice(_grid(beta), row.needs_q, not row.p_when_undrafted, fixed, catchup, cap)
-
-    def assign(self, rows: Sequence) -> None:
-        running = len(rows)
-        draft_only = [row for row in rows if row.draft_only]
-        for row in draft_only:  # the draft's own decoding (`draft_only.py`): no choice to make
-            row.num_draft = max(1, min(self.max_n, row.tokens_left))
-        if draft_only:
-            rows = [row for row in rows if not row.draft_only]
-        if not any(row.adaptive for row in rows):
-            return
-        if self.force is not None:
-            for row in rows:
-                if row.adaptive:
-                    row.num_draft = self.force
-            return
-        choices = [self.row_choice(row) for row in rows]
-        self.table.refresh()
-        key = (tuple(choices), running, self.table.epoch)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = choose(choices, self.table, self.max_n, self.margin, self.table.step(running))
-            if len(self._plans) > 512:
-                self._plans.clear()
-            self._plans[key] = plan
-        for row, n in zip(rows, plan, strict=True):
-            if row.adaptive:
-                row.num_draft = n
-
-    def predict(self, rows: Sequence, n: int) -> tuple[float, float]:
-        """(live model, start-up profile) predictions of one round of `rows` at draft length n."""
-        if rows[0].draft_only:  # n draft steps and the round's fixed part; no target, no check
-            r = len(rows)
-            return self.cost.draft_only_round_time(r, n), self.profile.draft_only_round_time(r, n)
-        choices = [self.row_choice(row) for row in rows]
-        bonus = _bonus_steps([c.beta for c in choices if _needs_q(c, n)], n)
-        m = catch_up_size([row.draft_lag for row in rows]) if n else 0  # lagging rows catch up first
-
-        def seconds(cost) -> float:
-            return cost.round_time(len(rows), n, bonus) + (cost.time("catch_up", m, 1) if m else 0.0)
-
-        return seconds(self.cost), seconds(self.profile)
-
-    def learn_step(self, running: int, seconds: float) -> None:
-        """After a scheduler step of `running` (> 0) rows: its seconds outside rounds and prefills."""
-        self.cost.observe("step", running, 0, max(seconds, 0.0))
-
-    def learn_draft_only(self, batch, seconds: dict) -> None:
-        """After a draft-only round: its draft steps and the rest into the cost model."""
-        r, n = batch.size, batch.n
-        caught_up = self._learn_catch_ups(batch)
-        self.cost.observe("draft_only", r, 1, max(seconds["draft"] - caught_up, 0.0) / n)
-        self.cost.observe("other", r, 0, max(seconds["round"] - seconds["draft"], 0.0))
-
-    def _learn_catch_ups(self, batch) -> float:
-        """The round's catch-up forwards into the cost model (kind `catch_up`, by tokens M);
-        returns their seconds, which the phase that ran them (draft, or the bonus step at n = 0)
-        must not count as draft steps."""
-        for m, s in batch.catch_ups:
-            self.cost.observe("catch_up", catch_up_bucket(m), 1, s)
-        return sum(s for _, s in batch.catch_ups)
-
-    def learn(self, batch, out, seconds: dict) -> None:
-        """After a round: the rows' acceptance, the pair's TV̂, and the stage times."""
-        for row, accept, tv in zip(batch.rows, out.accept_probs, out.tv, strict=True):
-            row.estimate.observe(accept)
-            self.agreement.observe(tv)
-        r, n, cost = batch.size, batch.n, self.cost
-        forward = seconds.get("verify_forward" if n else "target_forward", 0.0)
-        caught_up = self._learn_catch_ups(batch)  # in the draft phase if n, else in the bonus step
-        if out.bonus_rows:  # a draft step right after the target's forward, timed alone
-            step = seconds["bonus"] - (0.0 if n else caught_up)
-            cost.observe("first_draft", len(out.bonus_rows), 1, max(step, 0.0))
-        if n:  # one first step, then n - 1 steps after draft steps
-            phase = max(seconds["draft"] - caught_up, 0.0)
-            if n == 1:
-                cost.observe("first_draft", r, 1, phase)
-            else:
-                # Split the phase between the two in the model's current proportion: a host that
-                # speeds up or slows down moves both alike, while the first step's share is set by
-                # the rounds that time it alone (bonus steps, n = 1) and the profile. Subtracting
-                # the first step's estimate instead put all of a stale one's error on the later
-                # steps: (phase − f̂)/(n − 1) read 0.79 ms for a 1.65 ms step at n = 4 once the host
-                # had sped up, and moved the exact tier's choice of n with it.
-                first, later = cost.time("first_draft", r, 1), cost.time("draft", r, 1)
-                total = first + (n - 1) * later
-                if total > 0:
-                    cost.observe("first_draft", r, 1, first * phase / total)
-                    cost.observe("draft", r, 1, later * phase / total)
-                else:  # nothing learned yet: an even split
-                    cost.observe("draft", r, 1, phase / n)
-        cost.observe("score", r, n + 1, forward)
-        cost.observe("check", r, n, seconds["verify_call"])
-        staged = sum(v for k, v in seconds.items() if k != "round")
-        cost.observe("other", r, 0, max(seconds["round"] - staged, 0.0))

@@ -180,7 +180,7 @@ class EmbeddedEngine:
 
     def _load_models(self, device: torch.device, threads: int | None) -> Models:
         from server.engine.cost_profile import load_or_profile
-        from server.engine.draft_length import DraftPlanner
+        from server.engine.draft_planner import DraftPlanner
         from server.engine.llama import load_model
 
         c = self.config

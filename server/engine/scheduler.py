@@ -8,7 +8,7 @@ Terms
               (see `step.py`).
               Rows join and leave only between steps, so a step's tensors never change shape.
 
-Draft length: before the rounds of a step, the draft-length planner (`draft_length.py`) sets N
+Draft length: before the rounds of a step, the draft-length planner (`draft_planner.py`) sets N
 for the adaptive rows from their acceptance estimates and the measured cost model at this step's
 batch; fixed rows (a per-request num_draft, autoregressive requests) keep theirs.
 

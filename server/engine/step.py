@@ -15,7 +15,7 @@
 N = 0 is the same path: no draft forwards, a 1-position target forward, and `verify` with N = 0
 draws the token from p with the row's first verify coin (rows with w < 1 then take the draft's
 one step in `bonus` and draw from ν instead). The draft length is decided before a round by the
-scheduler (`draft_length.DraftPlanner`); a round only ever sees one N. Every round emits tokens
+scheduler (`draft_planner.DraftPlanner`); a round only ever sees one N. Every round emits tokens
 distributed exactly as ν, whatever its N.
 
 Terms

@@ -1,0 +1,189 @@
+"""The engine's side of the draft-length policy (`draft_length.py`, which defines the terms): each
+step it reads the rows into `RowChoice`s, asks `choose` for their draft lengths over a snapshot of
+the cost model (`RoundTable`), and after each round it learns acceptance, TV̂ and stage times."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from server.engine.draft_length import (
+    MARGIN,
+    PairAgreement,
+    RowChoice,
+    beta_grid,
+    bonus_steps,
+    catch_up_bucket,
+    catch_up_size,
+    choose,
+    draws_q,
+    expected_tokens,
+    log_grid,
+)
+from verifier.dial import PolicyKind
+
+
+class RoundTable:
+    """`round_time` from a dense snapshot of a cost model (rows 1..max_batch, n 0..max_n),
+    rebuilt every `every` model updates (about 4 per round, so every ~16 rounds: the model moves
+    slowly, and a rebuild also drops the cached plans): the search asks for hundreds of round
+    times a step."""
+
+    def __init__(self, cost, max_batch: int, max_n: int, every: int = 64):
+        self.cost, self.max_batch, self.max_n, self.every = cost, max_batch, max_n, every
+        self.epoch = -1
+
+    def refresh(self) -> None:
+        epoch = self.cost.updates // self.every
+        if epoch == self.epoch:
+            return
+        self.epoch = epoch
+        c = self.cost
+        rs = range(1, self.max_batch + 1)
+        self.base = {r: [c.round_time(r, n) for n in range(self.max_n + 1)] for r in rs}
+        self.bonus_step = {r: c.time("first_draft", r, 1) for r in rs}  # it follows the target's forward
+        self.overhead = {r: c.time("step", r, 0) for r in rs}
+
+    def __call__(self, r: int, n: int, bonus: float = 0.0) -> float:
+        if r > self.max_batch or n > self.max_n:
+            return self.cost.round_time(r, n, bonus)
+        return self.base[r][n] + bonus * self.bonus_step[r]
+
+    def step(self, r: int) -> float:
+        """The scheduler's seconds outside rounds in a step of r running rows."""
+        return self.overhead[r] if r in self.overhead else self.cost.time("step", r, 0)
+
+
+class DraftPlanner:
+    """The engine's side of the policy: sets `row.num_draft` for adaptive rows each step, learns
+    from each round (acceptance, TV̂, stage times into the cost model) and predicts round times.
+
+    Rows are read duck-typed: `adaptive`, `draft_only`, `num_draft`, `needs_q`, `p_when_undrafted`,
+    `estimate`, `prior_weight`, `policy.kind`, `draft_lag`, `tokens_left`. Plans are cached per
+    batch signature (rounded β, needs_q, fixed, catch-up per row; rows running) and cost-table
+    epoch, so steady batches do not re-run the search every step. `profile` is the
+    start-up cost model, kept unchanged to report how well it alone predicts rounds. `force`
+    pins every adaptive row to one N (benchmarks sweep fixed N with it, N = 0 included)."""
+
+    def __init__(self, cost, max_n: int, margin: float = MARGIN, max_batch: int = 8):
+        self.cost = cost
+        self.profile = cost.copy()
+        self.max_n = max_n
+        self.margin = margin
+        self.force: int | None = None
+        self.agreement = PairAgreement()
+        self.table = RoundTable(cost, max_batch, max_n)
+        self._plans: dict[tuple, list[int]] = {}
+
+    def set_cost(self, cost) -> None:
+        """Decide from another cost model from now on (tests and experiments pin one)."""
+        self.cost = cost
+        self.table = RoundTable(cost, self.table.max_batch, self.max_n)
+        self._plans.clear()
+
+    def row_choice(self, row) -> RowChoice:
+        w = row.prior_weight if row.policy.kind == PolicyKind.ENSEMBLE else 1.0
+        prior = 1.0 - w * self.agreement.tv
+        fixed = None if row.adaptive else row.num_draft
+        beta = row.estimate.beta(prior)
+        catchup = 0.0
+        if row.draft_lag > 2:  # a forward over the lag, spread over the rounds left
+            rounds_left = max(1.0, row.tokens_left / expected_tokens(beta, max(self.max_n // 2, 1)))
+            catchup = log_grid(self.cost.time("catch_up", row.draft_lag - 1, 1) / rounds_left)
+        # Near its end a request cannot emit more than it has left; far from it, no cap, so that
+        # rows of one tier form one class for the search (β on a grid for the same reason).
+        cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
+        return RowChoice(beta_grid(beta), row.needs_q, not row.p_when_undrafted, fixed, catchup, cap)
+
+    def assign(self, rows: Sequence) -> None:
+        running = len(rows)
+        draft_only = [row for row in rows if row.draft_only]
+        for row in draft_only:  # the draft's own decoding (`draft_only.py`): no choice to make
+            row.num_draft = max(1, min(self.max_n, row.tokens_left))
+        if draft_only:
+            rows = [row for row in rows if not row.draft_only]
+        if not any(row.adaptive for row in rows):
+            return
+        if self.force is not None:
+            for row in rows:
+                if row.adaptive:
+                    row.num_draft = self.force
+            return
+        choices = [self.row_choice(row) for row in rows]
+        self.table.refresh()
+        key = (tuple(choices), running, self.table.epoch)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = choose(choices, self.table, self.max_n, self.margin, self.table.step(running))
+            if len(self._plans) > 512:
+                self._plans.clear()
+            self._plans[key] = plan
+        for row, n in zip(rows, plan, strict=True):
+            if row.adaptive:
+                row.num_draft = n
+
+    def predict(self, rows: Sequence, n: int) -> tuple[float, float]:
+        """(live model, start-up profile) predictions of one round of `rows` at draft length n."""
+        if rows[0].draft_only:  # n draft steps and the round's fixed part; no target, no check
+            r = len(rows)
+            return self.cost.draft_only_round_time(r, n), self.profile.draft_only_round_time(r, n)
+        choices = [self.row_choice(row) for row in rows]
+        bonus = bonus_steps([c.beta for c in choices if draws_q(c, n)], n)
+        m = catch_up_size([row.draft_lag for row in rows]) if n else 0  # lagging rows catch up first
+
+        def seconds(cost) -> float:
+            return cost.round_time(len(rows), n, bonus) + (cost.time("catch_up", m, 1) if m else 0.0)
+
+        return seconds(self.cost), seconds(self.profile)
+
+    def learn_step(self, running: int, seconds: float) -> None:
+        """After a scheduler step of `running` (> 0) rows: its seconds outside rounds and prefills."""
+        self.cost.observe("step", running, 0, max(seconds, 0.0))
+
+    def learn_draft_only(self, batch, seconds: dict) -> None:
+        """After a draft-only round: its draft steps and the rest into the cost model."""
+        r, n = batch.size, batch.n
+        caught_up = self._learn_catch_ups(batch)
+        self.cost.observe("draft_only", r, 1, max(seconds["draft"] - caught_up, 0.0) / n)
+        self.cost.observe("other", r, 0, max(seconds["round"] - seconds["draft"], 0.0))
+
+    def _learn_catch_ups(self, batch) -> float:
+        """The round's catch-up forwards into the cost model (kind `catch_up`, by tokens M);
+        returns their seconds, which the phase that ran them (draft, or the bonus step at n = 0)
+        must not count as draft steps."""
+        for m, s in batch.catch_ups:
+            self.cost.observe("catch_up", catch_up_bucket(m), 1, s)
+        return sum(s for _, s in batch.catch_ups)
+
+    def learn(self, batch, out, seconds: dict) -> None:
+        """After a round: the rows' acceptance, the pair's TV̂, and the stage times."""
+        for row, accept, tv in zip(batch.rows, out.accept_probs, out.tv, strict=True):
+            row.estimate.observe(accept)
+            self.agreement.observe(tv)
+        r, n, cost = batch.size, batch.n, self.cost
+        forward = seconds.get("verify_forward" if n else "target_forward", 0.0)
+        caught_up = self._learn_catch_ups(batch)  # in the draft phase if n, else in the bonus step
+        if out.bonus_rows:  # a draft step right after the target's forward, timed alone
+            step = seconds["bonus"] - (0.0 if n else caught_up)
+            cost.observe("first_draft", len(out.bonus_rows), 1, max(step, 0.0))
+        if n:  # one first step, then n - 1 steps after draft steps
+            phase = max(seconds["draft"] - caught_up, 0.0)
+            if n == 1:
+                cost.observe("first_draft", r, 1, phase)
+            else:
+                # Split the phase between the two in the model's current proportion: a host that
+                # speeds up or slows down moves both alike, while the first step's share is set by
+                # the rounds that time it alone (bonus steps, n = 1) and the profile. Subtracting
+                # the first step's estimate instead put all of a stale one's error on the later
+                # steps: (phase − f̂)/(n − 1) read 0.79 ms for a 1.65 ms step at n = 4 once the host
+                # had sped up, and moved the exact tier's choice of n with it.
+                first, later = cost.time("first_draft", r, 1), cost.time("draft", r, 1)
+                total = first + (n - 1) * later
+                if total > 0:
+                    cost.observe("first_draft", r, 1, first * phase / total)
+                    cost.observe("draft", r, 1, later * phase / total)
+                else:  # nothing learned yet: an even split
+                    cost.observe("draft", r, 1, phase / n)
+        cost.observe("score", r, n + 1, forward)
+        cost.observe("check", r, n, seconds["verify_call"])
+        staged = sum(v for k, v in seconds.items() if k != "round")
+        cost.observe("other", r, 0, max(seconds["round"] - staged, 0.0))
