@@ -14,6 +14,7 @@ import pytest
 
 from server.engine.cost_model import CostModel
 from server.engine.draft_length import (
+    EXPLORE_AFTER,
     AcceptanceEstimate,
     PairAgreement,
     RowChoice,
@@ -21,6 +22,7 @@ from server.engine.draft_length import (
     catch_up_size,
     choose,
     expected_tokens,
+    explore,
     goodput,
 )
 from server.engine.draft_planner import DraftPlanner
@@ -268,3 +270,59 @@ def test_pair_agreement_follows_recent_samples():
     assert agree.tv > 0.7
     agree.observe([0.1] * 1000)
     assert agree.tv < 0.2
+
+
+def near_miss() -> CostModel:
+    """Drafting pays (n = 1, 3 % or more ahead of plain decoding) from β ≈ 0.7 up, the prior 1 − TV̂
+    of a fresh engine; at β = 0.6 it is 0.5 % behind, at 0.5 7 % behind."""
+    return _model(lambda r, t: 4e-3 + 6e-4 * t, lambda r: 2.2e-3)
+
+
+def _decode(planner, row, rounds: int, accept: float) -> list[int]:
+    """N per round of one row whose drafts are each accepted with probability `accept` (its
+    estimate gets the conditional means, as `DraftPlanner.learn` gives it)."""
+    ns = []
+    for _ in range(rounds):
+        planner.assign([row])
+        ns.append(row.num_draft)
+        if row.num_draft:
+            row.estimate.observe([accept] * row.num_draft)
+    return ns
+
+
+def test_a_row_stuck_at_no_drafts_after_one_bad_round_drafts_again():
+    """One rejected first draft moves a lone row's β from the prior 0.7 to 0.62, under the drafting
+    threshold; decoding plainly gives no evidence, so it stayed plain to its end (seen on the
+    embedded pair: N per round "2000000000000002212"). Exploration tries one round after 8 plain
+    ones; with acceptance 0.8 the evidence lifts β and the row drafts from then on."""
+    planner = DraftPlanner(near_miss(), MAX_N)
+    row = _row(lag=0)
+    assert _decode(planner, row, 1, accept=0.8) == [1]  # the prior drafts
+    row.estimate = AcceptanceEstimate()
+    row.estimate.observe([0.0])  # that first round was rejected
+    ns = _decode(planner, row, 60, accept=0.8)
+    assert ns[:EXPLORE_AFTER] == [0] * EXPLORE_AFTER
+    assert ns[EXPLORE_AFTER] > 0  # explored
+    assert all(ns[-20:])  # and drafting from then on
+
+
+def test_exploration_costs_one_round_in_nine_where_drafting_is_a_near_miss():
+    """Where acceptance really is low, exploring keeps trying: one round in EXPLORE_AFTER + 1, each
+    predicted to lose under 10 % (here: 7 % at β = 0.5), so under 1 % of the tokens per second."""
+    planner = DraftPlanner(near_miss(), MAX_N)
+    row = _row(lag=0)
+    row.estimate.observe([0.5] * 40)
+    ns = _decode(planner, row, 90, accept=0.5)
+    assert sum(1 for n in ns if n) == 90 // (EXPLORE_AFTER + 1)
+    assert all(ns[i] for i in range(EXPLORE_AFTER, 90, EXPLORE_AFTER + 1))
+
+
+def test_no_exploration_where_drafting_is_far_off_or_its_catch_up_is_dear():
+    """A compute-bound pair loses 30 %+ to drafting at any β < 1: no round explores. A near miss
+    whose draft is far behind pays the whole catch-up forward in the round that explores: not tried."""
+    planner = DraftPlanner(compute_bound(), MAX_N)
+    assert _decode(planner, _row(lag=0), 40, accept=0.8) == [0] * 40
+    model = near_miss()
+    row = RowChoice(0.6)
+    assert explore([row], [0], [True], model.round_time, MAX_N) == [1]
+    assert explore([row], [0], [True], model.round_time, MAX_N, catch_up=2e-3) is None  # 1/3 of a round

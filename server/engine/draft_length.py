@@ -34,6 +34,14 @@ Terms
               `cost_model.round_time`); step(R) is the scheduler's time outside rounds, paid once a
               step whatever n (cost kind `step`): leaving it out made plain decoding look
               cheaper than it is, by ~12 % on the embedded pair.
+    explore   a row's estimate learns only from rounds that draft. After one bad first round its β
+              can sit just under the drafting threshold with no later round to correct it: a lone
+              request then decoded plainly to its end ("2000000000000002212", N per round, on the
+              embedded pair where drafting runs 1.35x). So an adaptive row planned at n = 0 for
+              `EXPLORE_AFTER` rounds in a row drafts for one round if that round is predicted to
+              lose at most `EXPLORE_LOSS` of the step's goodput (a lagging draft's catch-up counted
+              whole): at most 10 % of one round in 8 where drafting is a near miss, never where it
+              is far off (a compute-bound pair, where drafting loses 40 %+, never explores).
 
 `choose` is the pure policy; `draft_planner.DraftPlanner` feeds it from rows and the engine's cost
 model.
@@ -50,6 +58,8 @@ from dataclasses import dataclass
 from verifier.theory import expected_accepted_length_constant
 
 PRIOR_STRENGTH = 8.0  # the prior β counts as this many observed positions
+EXPLORE_AFTER = 8  # plain rounds without evidence before a row's drafting is tried once more
+EXPLORE_LOSS = 0.1  # ... if that round is predicted to lose at most this share of the goodput
 MARGIN = 0.03  # drafting must beat no drafting by this much (predictions err; n = 0 is the safe side)
 # Plans are cached per batch signature, so the signature is coarse: β on a 0.05 grid (E(β, n)
 # moves < 3 % per step of it at β <= 0.9, below the noise of the costs), catch-up on a 19 % log grid.
@@ -105,10 +115,12 @@ class RowChoice:
 
 @dataclass
 class AcceptanceEstimate:
-    """A row's own acceptance evidence (see `estimate` in the module doc)."""
+    """A row's own acceptance evidence (see `estimate` in the module doc), and the rounds it has
+    been planned without drafts since it last drafted or explored (see `explore`)."""
 
     accept_sum: float = 0.0
     tested: int = 0
+    plain_rounds: int = 0
 
     def observe(self, accept_probs: Sequence[float]) -> None:
         self.accept_sum += float(sum(accept_probs))
@@ -140,12 +152,15 @@ class PairAgreement:
         return (self.prior_tv * self.prior_weight + self.total) / (self.prior_weight + self.count)
 
 
-def goodput(rows: Sequence[RowChoice], ns: Sequence[int], round_time: RoundTime, step: float = 0.0) -> float:
-    """Expected tokens per second of one step with draft lengths `ns` (see the module doc)."""
+def goodput(
+    rows: Sequence[RowChoice], ns: Sequence[int], round_time: RoundTime, step: float = 0.0, extra: float = 0.0
+) -> float:
+    """Expected tokens per second of one step with draft lengths `ns` (see the module doc);
+    `extra` seconds are added to the step's."""
     groups: dict[int, list[RowChoice]] = {}
     for row, n in zip(rows, ns, strict=True):
         groups.setdefault(n, []).append(row)
-    seconds = step
+    seconds = step + extra
     for n, group in groups.items():
         seconds += round_time(len(group), n, bonus_steps([r.beta for r in group if draws_q(r, n)], n))
         seconds += sum(r.catchup for r in group if n or draws_q(r, n))
@@ -259,3 +274,26 @@ def choose(
                 break
         base = best if best_score >= floor * (1 + margin) else base
     return [base[c] for c in search.row_class]
+
+
+def explore(
+    rows: Sequence[RowChoice],
+    plan: Sequence[int],
+    due: Sequence[bool],
+    round_time: RoundTime,
+    max_n: int,
+    step: float = 0.0,
+    catch_up: float = 0.0,
+    max_loss: float = EXPLORE_LOSS,
+) -> list[int] | None:
+    """The plan with the rows `due` (adaptive, planned at n = 0, `EXPLORE_AFTER` rounds without
+    evidence) drafting at their best common n, if its goodput, with `catch_up` seconds (the whole
+    forward their lagging draft needs first) added, is within `max_loss` of `plan`'s; else None."""
+    floor = goodput(rows, plan, round_time, step)
+    best, best_score = None, 0.0
+    for n in range(1, max_n + 1):
+        trial = [n if d else k for d, k in zip(due, plan, strict=True)]
+        score = goodput(rows, trial, round_time, step, catch_up)
+        if score > best_score:
+            best, best_score = trial, score
+    return best if best is not None and best_score >= (1 - max_loss) * floor else None

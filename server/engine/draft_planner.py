@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from server.engine.draft_length import (
+    EXPLORE_AFTER,
     MARGIN,
     PairAgreement,
     RowChoice,
@@ -17,6 +18,7 @@ from server.engine.draft_length import (
     choose,
     draws_q,
     expected_tokens,
+    explore,
     log_grid,
 )
 from verifier.dial import PolicyKind
@@ -60,7 +62,8 @@ class DraftPlanner:
     Rows are read duck-typed: `adaptive`, `draft_only`, `num_draft`, `needs_q`, `p_when_undrafted`,
     `estimate`, `prior_weight`, `policy.kind`, `draft_lag`, `tokens_left`. Plans are cached per
     batch signature (rounded β, needs_q, fixed, catch-up per row; rows running) and cost-table
-    epoch, so steady batches do not re-run the search every step. `profile` is the
+    epoch, so steady batches do not re-run the search every step; a row planned at n = 0 for long
+    enough may draft for one round (`draft_length.explore`). `profile` is the
     start-up cost model, kept unchanged to report how well it alone predicts rounds. `force`
     pins every adaptive row to one N (benchmarks sweep fixed N with it, N = 0 included)."""
 
@@ -117,9 +120,22 @@ class DraftPlanner:
             if len(self._plans) > 512:
                 self._plans.clear()
             self._plans[key] = plan
+        due = [
+            r.adaptive and not n and r.estimate.plain_rounds >= EXPLORE_AFTER
+            for r, n in zip(rows, plan, strict=True)
+        ]
+        if any(due):  # see `explore` in draft_length.py
+            m = catch_up_size([row.draft_lag for row, d in zip(rows, due, strict=True) if d])
+            catch_up = self.cost.time("catch_up", m, 1) if m else 0.0
+            step = self.table.step(running)
+            plan = explore(choices, plan, due, self.table, self.max_n, step, catch_up) or plan
+            for row, d in zip(rows, due, strict=True):
+                if d:  # tried or not, the next look is EXPLORE_AFTER plain rounds away
+                    row.estimate.plain_rounds = 0
         for row, n in zip(rows, plan, strict=True):
             if row.adaptive:
                 row.num_draft = n
+                row.estimate.plain_rounds = 0 if n else row.estimate.plain_rounds + 1
 
     def predict(self, rows: Sequence, n: int) -> tuple[float, float]:
         """(live model, start-up profile) predictions of one round of `rows` at draft length n."""
