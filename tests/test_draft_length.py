@@ -148,6 +148,36 @@ def test_a_round_that_catches_up_is_predicted_with_its_catch_up_forward():
     assert planner.predict(rows, 0)[0] == pytest.approx(planner.predict([_row(lag=1)] * 3, 0)[0])
 
 
+def test_the_planner_reads_a_snapshot_and_does_not_refit_every_round(monkeypatch):
+    """Every observation invalidates its kind's fit; read live, the planner's predictions and phase
+    splits refitted ~7 kinds a step (~1.1 ms at 8 rows on the embedded pair, rounds ~12 ms). It
+    reads the snapshot (`RoundTable`), rebuilt every 64 observations: over 60 rounds of 5
+    observations, the kinds are refitted at the ~5 rebuilds only, and predictions match the
+    live model at each rebuild."""
+    model = overhead_bound()
+    planner = DraftPlanner(model, MAX_N)
+    fits = []
+    real_fit = CostModel._fit
+
+    def counting_fit(self, kind):
+        if self is model and kind not in self._curves:
+            fits.append(kind)
+        return real_fit(self, kind)
+
+    monkeypatch.setattr(CostModel, "_fit", counting_fit)
+    rows = [_row(lag=0) for _ in range(4)]
+    out = SimpleNamespace(accept_probs=[[0.7, 0.7]] * 4, tv=[[0.3, 0.3]] * 4, bonus_rows=[])
+    seconds = {"draft": 2e-3, "verify_forward": 3e-3, "verify_call": 2e-4, "round": 6e-3}
+    for _ in range(60):
+        planner.assign(rows)
+        planner.predict(rows, 2)
+        planner.learn(SimpleNamespace(size=4, n=2, rows=rows, catch_ups=[]), out, seconds)
+    rebuilds = model.updates // planner.table.every + 1
+    assert len(fits) <= 6 * rebuilds  # score, check, other, first_draft, draft, step
+    planner.table.epoch = -1  # a rebuild now: the snapshot is the live model
+    assert planner.predict(rows, 2)[0] == pytest.approx(model.round_time(4, 2))
+
+
 def test_a_slow_first_catch_up_is_averaged_away_by_later_ones():
     """Catch-ups are learned on a half-octave grid of M: prompts of 29-33 tokens share one entry,
     so a 20 ms first catch-up (cold, or a busy host) is diluted by the 2 ms ones that follow it

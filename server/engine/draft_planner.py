@@ -26,13 +26,16 @@ from verifier.dial import PolicyKind
 
 class RoundTable:
     """`round_time` from a dense snapshot of a cost model (rows 1..max_batch, n 0..max_n),
-    rebuilt every `every` model updates (about 4 per round, so every ~16 rounds: the model moves
+    rebuilt every `every` model updates (about 5 per round, so every ~13 rounds: the model moves
     slowly, and a rebuild also drops the cached plans): the search asks for hundreds of round
-    times a step."""
+    times a step. The planner's own reads (predictions, the draft phase's split) go through it
+    too: every observation invalidates its kind's fit in the live model, and refitting on each
+    read cost 7 fits and ~1.1 ms a step at 8 rows, against rounds of ~12 ms."""
 
     def __init__(self, cost, max_batch: int, max_n: int, every: int = 64):
         self.cost, self.max_batch, self.max_n, self.every = cost, max_batch, max_n, every
         self.epoch = -1
+        self._catch_up: dict[int, float] = {}
 
     def refresh(self) -> None:
         epoch = self.cost.updates // self.every
@@ -43,7 +46,9 @@ class RoundTable:
         rs = range(1, self.max_batch + 1)
         self.base = {r: [c.round_time(r, n) for n in range(self.max_n + 1)] for r in rs}
         self.bonus_step = {r: c.time("first_draft", r, 1) for r in rs}  # it follows the target's forward
+        self.later_step = {r: c.time("draft", r, 1) for r in rs}  # a draft step after a draft step
         self.overhead = {r: c.time("step", r, 0) for r in rs}
+        self._catch_up: dict[int, float] = {}
 
     def __call__(self, r: int, n: int, bonus: float = 0.0) -> float:
         if r > self.max_batch or n > self.max_n:
@@ -53,6 +58,18 @@ class RoundTable:
     def step(self, r: int) -> float:
         """The scheduler's seconds outside rounds in a step of r running rows."""
         return self.overhead[r] if r in self.overhead else self.cost.time("step", r, 0)
+
+    def catch_up(self, m: int) -> float:
+        """A lagging draft's catch-up forward over m tokens (read once per snapshot per m)."""
+        if m not in self._catch_up:
+            self._catch_up[m] = self.cost.time("catch_up", m, 1)
+        return self._catch_up[m]
+
+    def draft_steps(self, r: int) -> tuple[float, float]:
+        """(a round's first draft step, a later one) at r rows."""
+        if r in self.later_step:
+            return self.bonus_step[r], self.later_step[r]
+        return self.cost.time("first_draft", r, 1), self.cost.time("draft", r, 1)
 
 
 class DraftPlanner:
@@ -91,7 +108,7 @@ class DraftPlanner:
         catchup = 0.0
         if row.draft_lag > 2:  # a forward over the lag, spread over the rounds left
             rounds_left = max(1.0, row.tokens_left / expected_tokens(beta, max(self.max_n // 2, 1)))
-            catchup = log_grid(self.cost.time("catch_up", row.draft_lag - 1, 1) / rounds_left)
+            catchup = log_grid(self.table.catch_up(row.draft_lag - 1) / rounds_left)
         # Near its end a request cannot emit more than it has left; far from it, no cap, so that
         # rows of one tier form one class for the search (β on a grid for the same reason).
         cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
@@ -111,8 +128,8 @@ class DraftPlanner:
                 if row.adaptive:
                     row.num_draft = self.force
             return
-        choices = [self.row_choice(row) for row in rows]
         self.table.refresh()
+        choices = [self.row_choice(row) for row in rows]
         key = (tuple(choices), running, self.table.epoch)
         plan = self._plans.get(key)
         if plan is None:
@@ -126,7 +143,7 @@ class DraftPlanner:
         ]
         if any(due):  # see `explore` in draft_length.py
             m = catch_up_size([row.draft_lag for row, d in zip(rows, due, strict=True) if d])
-            catch_up = self.cost.time("catch_up", m, 1) if m else 0.0
+            catch_up = self.table.catch_up(m) if m else 0.0
             step = self.table.step(running)
             plan = explore(choices, plan, due, self.table, self.max_n, step, catch_up) or plan
             for row, d in zip(rows, due, strict=True):
@@ -142,14 +159,14 @@ class DraftPlanner:
         if rows[0].draft_only:  # n draft steps and the round's fixed part; no target, no check
             r = len(rows)
             return self.cost.draft_only_round_time(r, n), self.profile.draft_only_round_time(r, n)
+        self.table.refresh()
         choices = [self.row_choice(row) for row in rows]
         bonus = bonus_steps([c.beta for c in choices if draws_q(c, n)], n)
         m = catch_up_size([row.draft_lag for row in rows]) if n else 0  # lagging rows catch up first
-
-        def seconds(cost) -> float:
-            return cost.round_time(len(rows), n, bonus) + (cost.time("catch_up", m, 1) if m else 0.0)
-
-        return seconds(self.cost), seconds(self.profile)
+        r = len(rows)
+        live = self.table(r, n, bonus) + (self.table.catch_up(m) if m else 0.0)
+        profile = self.profile.round_time(r, n, bonus) + (self.profile.time("catch_up", m, 1) if m else 0.0)
+        return live, profile
 
     def learn_step(self, running: int, seconds: float) -> None:
         """After a scheduler step of `running` (> 0) rows: its seconds outside rounds and prefills."""
@@ -186,13 +203,14 @@ class DraftPlanner:
             if n == 1:
                 cost.observe("first_draft", r, 1, phase)
             else:
-                # Split the phase between the two in the model's current proportion: a host that
+                # Split the phase between the two in the model's proportion: a host that
                 # speeds up or slows down moves both alike, while the first step's share is set by
                 # the rounds that time it alone (bonus steps, n = 1) and the profile. Subtracting
                 # the first step's estimate instead put all of a stale one's error on the later
                 # steps: (phase − f̂)/(n − 1) read 0.79 ms for a 1.65 ms step at n = 4 once the host
                 # had sped up, and moved the exact tier's choice of n with it.
-                first, later = cost.time("first_draft", r, 1), cost.time("draft", r, 1)
+                self.table.refresh()
+                first, later = self.table.draft_steps(r)
                 total = first + (n - 1) * later
                 if total > 0:
                     cost.observe("first_draft", r, 1, first * phase / total)
