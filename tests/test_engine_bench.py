@@ -192,3 +192,24 @@ def test_held_out_ratio_removes_the_max_over_rows_bias():
         held.append(held_out_ratio(adaptive, fixed)[0])
     assert np.mean(raw) == pytest.approx(1 - 0.78 * 0.07, abs=0.015)
     assert np.mean(held) == pytest.approx(np.exp(0.07**2), abs=0.015)
+
+
+def test_where_drafting_pays_counts_only_rows_that_draft():
+    """The Qwen-shape bench once read its worst "measured / predicted where drafting pays" off lite,
+    a row that decoded plainly (mean N 0) with a predicted 1.02 from noise: that is AR's path."""
+    from server.engine.bench.report import BenchRow, check_targets
+
+    def row(method, tier, tps, mean_n=None, predicted=None, measured=None):
+        return BenchRow(method, 1, 100, 1.0, tps, tier=tier, mean_n=mean_n, predicted_speedup=predicted,
+                        measured_speedup=measured)  # fmt: skip
+
+    rows = [
+        row("dialspec_ar", None, 100.0),
+        row("dialspec_lite", "lite", 98.0, mean_n=0.0, predicted=1.02, measured=0.9),
+        row("dialspec_pro", "pro", 130.0, mean_n=3.0, predicted=1.4, measured=1.3),
+    ]
+    line = check_targets(rows, {})
+    key = "measured / predicted speedup where drafting pays (worst: pro), c=1"
+    assert line[key]["value"] == pytest.approx(1.3 / 1.4)
+    rows[2].mean_n = 0.0
+    assert not any("where drafting pays" in k for k in check_targets(rows, {}))
