@@ -152,6 +152,7 @@ def test_stages_plain_rounds_do_not_run_follow_the_hosts_speed():
     assert m.time("first_draft", 1, 1) == pytest.approx(0.007, rel=0.10)
     assert m.time("score", 1, 6) == pytest.approx(0.040, rel=0.10)
     assert m.time("draft", 1, 1) / m.time("score", 1, 1) == pytest.approx(0.3, rel=0.10)
+    assert m.summary([1], 5)["level"] == pytest.approx(2.0, rel=0.10)  # what /v1/engine/runtime shows
     assert m.round_time(1, 4) / m.round_time(1, 0) == pytest.approx(
         _profiled().round_time(1, 4) / 0.0105, rel=0.1
     )

@@ -301,6 +301,8 @@ class CostModel:
             # a lagging draft's catch-up forward over M tokens (the draft's cost at M until one has run)
             "catch_up_ms": {m: ms(self.time("catch_up", m, 1)) for m in (16, 64, 256)},
             "measured_points": len(self.entries),
+            # the host's speed against the live references (see "Level"): 1.3 = stages run 30 % slower
+            "level": round(math.exp(self.level), 3),
         }
 
 
