@@ -40,8 +40,9 @@ Terms
               embedded pair where drafting runs 1.35x). So an adaptive row planned at n = 0 for
               `EXPLORE_AFTER` rounds in a row drafts for one round if that round is predicted to
               lose at most `EXPLORE_LOSS` of the step's goodput (a lagging draft's catch-up counted
-              whole): at most 10 % of one round in 8 where drafting is a near miss, never where it
-              is far off (a compute-bound pair, where drafting loses 40 %+, never explores).
+              whole): at most 10 % of one round in 9 where drafting is a near miss, never where it
+              is far off (tests/test_draft_length.py's compute-bound pair, where drafting loses a
+              quarter or more at any β < 0.8, never explores).
 
 `choose` is the pure policy; `draft_planner.DraftPlanner` feeds it from rows and the engine's cost
 model.
