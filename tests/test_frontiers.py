@@ -64,6 +64,23 @@ def test_areas_share_one_range_and_time_axis_uses_norm_time():
     assert timed["range"][0] < timed["range"][1] < 0  # stored as −norm_time
 
 
+def test_areas_leave_out_methods_whose_frontiers_end_before_the_others_begin():
+    """On math and code, lossy and typical acceptance sits a point above SD's and no higher, so no
+    range was shared by every method and the areas table was empty. Now the methods that end too
+    early are left out (and named, with where they end), and the rest are compared."""
+    rng = np.random.default_rng(4)
+    groups = {"a": _method("a", 0.0, rng), "b": _method("b", 0.1, rng)}
+    narrow = _method("narrow", 0.0, rng)[:1]  # one point at acceptance 0.6: a range of zero width
+    out = analyse({**groups, "narrow": narrow}, boot=20)
+    assert set(out["areas"]) == {"a", "b"} and out["left_out"] == {"narrow": pytest.approx(0.6, abs=0.01)}
+    full = analyse(groups, boot=20)
+    assert out["range"] == full["range"] and out["areas"]["b"]["area"] == pytest.approx(
+        full["areas"]["b"]["area"]
+    )
+    assert "a vs narrow" in out["pairs"]  # pairwise verdicts still cover every method
+    assert full["left_out"] == {}
+
+
 def test_prompt_oracle_matches_brute_force_over_every_per_prompt_choice():
     """Five prompts, three settings with unequal draft counts: every one of the 3^5 per-prompt
     choices gives a (pooled acceptance, mean score) point; the oracle's frontier is their hull."""

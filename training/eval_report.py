@@ -134,6 +134,9 @@ def _frontier_section(task: str, res: dict, v: dict) -> list[str]:
         where = (
             "(no shared range)" if rng is None else f"over the shared {label} range {rng[0]:.3f}–{rng[1]:.3f}"
         )
+        if a.get("left_out"):  # frontiers that end before the range (time-axis ends are −norm_time)
+            ends = ", ".join(f"{m} {abs(end):.3f}" for m, end in a["left_out"].items())
+            where += f" (left out, their frontiers end before it: {ends})"
         lines += [f"Mean frontier score {where}:", "", "| method | mean score | SE |", "|---|---|---|"]
         for m, area in sorted(a["areas"].items(), key=lambda kv: -kv[1]["area"]):
             lines.append(f"| {m} | {area['area']:.3f} | {area['se']:.3f} |")

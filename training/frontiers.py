@@ -12,7 +12,10 @@ Terms
     shared range  for a comparison: from the lowest of the methods' lowest acceptances to the
                 lowest of their highest — where every method's frontier is defined (below its
                 own lowest point a method scores that point's score: it is faster than needed).
-    area        the mean of the frontier over the shared range (area / width: a score).
+    area        the mean of the frontier over the shared range (area / width: a score). Methods
+                whose frontiers end before the others' begin (lossy and typical acceptance sit a
+                point above SD's on math and code) would leave no range shared by all; the areas
+                then leave out, lowest end first, the methods that end too early, and say so.
     dominance   A dominates B at matched acceptance when the mean of f_A − f_B over their shared
                 range exceeds 2 standard errors AND at no grid point of that range is f_A − f_B
                 below −2 of its own standard errors.
@@ -106,13 +109,26 @@ def _chunk_count(groups: dict[str, list[Point]]) -> int:
     return counts.pop() if len(counts) == 1 else 0
 
 
+def _extent(pts: list[Point], axis: str) -> tuple[float, float]:
+    x, _ = _coords(pts, (np.arange(len(pts[0].scores)), None), axis)
+    return float(x.min()), float(x.max())
+
+
 def shared_range(groups: dict[str, list[Point]], axis: str) -> tuple[float, float] | None:
-    full = (np.arange(len(next(iter(groups.values()))[0].scores)), None)
-    lo, hi = -np.inf, np.inf  # lo: lowest of the minima; hi: lowest of the maxima
-    for pts in groups.values():
-        x, _ = _coords(pts, full, axis)
-        lo, hi = min(lo, x.min()) if np.isfinite(lo) else x.min(), min(hi, x.max())
-    return (float(lo), float(hi)) if hi - lo >= MIN_WIDTH else None
+    extents = [_extent(pts, axis) for pts in groups.values()]
+    lo, hi = min(e[0] for e in extents), min(e[1] for e in extents)  # lowest minimum, lowest maximum
+    return (lo, hi) if hi - lo >= MIN_WIDTH else None
+
+
+def _area_members(groups: dict[str, list[Point]], axis: str) -> tuple[list[str], dict[str, float]]:
+    """The methods the areas compare, and those left out (name -> where its frontier ends): all of
+    them if they share a range, else drop the method whose frontier ends lowest until they do."""
+    members, left_out = list(groups), {}
+    while len(members) > 2 and shared_range({m: groups[m] for m in members}, axis) is None:
+        end, name = min((_extent(groups[m], axis)[1], m) for m in members)
+        members.remove(name)
+        left_out[name] = end
+    return members, left_out
 
 
 def _curves(groups: dict[str, list[Point]], idx, axis, grid) -> dict[str, np.ndarray]:
@@ -123,7 +139,8 @@ def analyse(groups: dict[str, list[Point]], axis: str = "acceptance", boot: int 
     """Areas over the range shared by every method, and pairwise verdicts over each pair's range.
 
     `groups`: method -> its points (each method needs >= 1 point; AR has no acceptance and is
-    left out by the caller). Returns {"range", "areas": {m: {area, se}}, "pairs": {"A>B": {...}}}.
+    left out by the caller). Returns {"range", "areas": {m: {area, se}}, "left_out": {m: where its
+    frontier ends}, "pairs": {"A>B": {...}}}.
     """
     rng = np.random.default_rng(seed)
     prompts = len(next(iter(groups.values()))[0].scores)
@@ -132,14 +149,17 @@ def analyse(groups: dict[str, list[Point]], axis: str = "acceptance", boot: int 
     rng_chunks, c = np.random.default_rng(seed + 1), _chunk_count(groups)
     chunks = [rng_chunks.integers(0, c, c) if c > 1 else None for _ in range(boot)]
     samples: list[Sample] = [(np.arange(prompts), None), *zip(draws, chunks, strict=True)]
-    out: dict = {"axis": axis, "range": shared_range(groups, axis), "areas": {}, "pairs": {}}
+    members, left_out = _area_members(groups, axis)
+    shared = {m: groups[m] for m in members}
+    out: dict = {"axis": axis, "range": shared_range(shared, axis), "areas": {}, "pairs": {}}
+    out["left_out"] = left_out if out["range"] is not None else {}
     if out["range"] is not None:
         grid = np.linspace(*out["range"], GRID)
         with warnings.catch_warnings():  # a method with no point in the range has an all-NaN curve
             warnings.simplefilter("ignore", RuntimeWarning)
-            curves = [_curves(groups, s, axis, grid).values() for s in samples]
+            curves = [_curves(shared, s, axis, grid).values() for s in samples]
             vals = np.array([[np.nanmean(c) for c in per] for per in curves])
-        for j, name in enumerate(groups):
+        for j, name in enumerate(shared):
             out["areas"][name] = {"area": float(vals[0, j]), "se": float(np.nanstd(vals[1:, j], ddof=1))}
     names = list(groups)
     for i, a in enumerate(names):
