@@ -54,9 +54,9 @@ the longer forwards are not re-timed, and a host that then slows down or speeds 
 by up to 2x over minutes) would leave drafting priced at the old speed against a plain round at the
 new one: after a fast spell made plain rounds cheap, the planner would not draft again. So the model
 keeps a `level`, the log of how far the host has moved: an average, over observations as they
-arrive, of each re-timed entry's log(value now / its reference), the reference being the entry's
-value once it had averaged `_REF_SEEN` online observations (brought to level 0), so a profile's
-bias on dummy inputs does not read as the host moving. Only the stages that compute count
+arrive, of each re-timed entry's log(value now / its reference), the reference being the mean of
+its values over its online observations `_REF_SEEN` to `_REF_SEEN + _REF_SPAN − 1` (brought to level
+0), so a profile's bias on dummy inputs does not read as the host moving. Only the stages that compute count
 (forwards and the check): `other` and `step` are the scheduler's Python, which drifts on its own
 (+0.3 where forwards read +0.04 over one minute here). An entry not written in the last
 `_STALE_AFTER` observations reads scaled by exp(level − its level when last written); entries the
