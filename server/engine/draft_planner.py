@@ -4,6 +4,8 @@ the cost model (`RoundTable`), and after each round it learns acceptance, TV̂ a
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Sequence
 
 from server.engine.draft_length import (
@@ -25,28 +27,34 @@ from verifier.dial import PolicyKind
 
 
 class RoundTable:
-    """`round_time` from a dense snapshot of a cost model (rows 1..max_batch, n 0..max_n),
-    rebuilt every `every` model updates (about 5 per round, so every ~13 rounds: the model moves
-    slowly, and a rebuild also drops the cached plans): the search asks for hundreds of round
-    times a step. The planner's own reads (predictions, the draft phase's split) go through it
-    too: every observation invalidates its kind's fit in the live model, and refitting on each
-    read cost 7 fits and ~1.1 ms a step at 8 rows, against rounds of ~12 ms."""
+    """`round_time` from a dense snapshot of a cost model (rows 1..max_batch, n 0..max_n): the
+    search asks for hundreds of round times a step. The planner's predictions read it too: every
+    observation invalidates its kind's fit in the live model, and refitting on each read cost 7
+    fits and ~1.1 ms a step at 8 rows of the embedded pair, against rounds of ~12 ms. A rebuild
+    (which also drops the cached plans) comes after `every` model updates (about 5 a round), or
+    after `max_age` seconds once the model has changed at all: on a real-size pair a round takes
+    0.2-3 s and a bench row runs ~8 of them, so an update count alone left predictions a whole
+    row behind (Qwen2.5 shapes: round-time errors up to 16.6 % against 9.9 % before), while a
+    rebuild costs ~3 ms there as here."""
 
-    def __init__(self, cost, max_batch: int, max_n: int, every: int = 64):
+    def __init__(self, cost, max_batch: int, max_n: int, every: int = 64, max_age: float = 0.5):
         self.cost, self.max_batch, self.max_n, self.every = cost, max_batch, max_n, every
-        self.epoch = -1
+        self.max_age = max_age
+        self.epoch = -1  # rebuilds so far; plans are cached per epoch
+        self.built_at, self.built_time = -1, -math.inf  # the model's updates and the clock then
         self._catch_up: dict[int, float] = {}
 
     def refresh(self) -> None:
-        epoch = self.cost.updates // self.every
-        if epoch == self.epoch:
-            return
-        self.epoch = epoch
         c = self.cost
+        fresh = c.updates - self.built_at
+        young = not fresh or time.perf_counter() - self.built_time < self.max_age
+        if self.built_at >= 0 and fresh < self.every and young:
+            return
+        self.epoch += 1
+        self.built_at, self.built_time = c.updates, time.perf_counter()
         rs = range(1, self.max_batch + 1)
         self.base = {r: [c.round_time(r, n) for n in range(self.max_n + 1)] for r in rs}
         self.bonus_step = {r: c.time("first_draft", r, 1) for r in rs}  # it follows the target's forward
-        self.later_step = {r: c.time("draft", r, 1) for r in rs}  # a draft step after a draft step
         self.overhead = {r: c.time("step", r, 0) for r in rs}
         self._catch_up: dict[int, float] = {}
 
@@ -64,12 +72,6 @@ class RoundTable:
         if m not in self._catch_up:
             self._catch_up[m] = self.cost.time("catch_up", m, 1)
         return self._catch_up[m]
-
-    def draft_steps(self, r: int) -> tuple[float, float]:
-        """(a round's first draft step, a later one) at r rows."""
-        if r in self.later_step:
-            return self.bonus_step[r], self.later_step[r]
-        return self.cost.time("first_draft", r, 1), self.cost.time("draft", r, 1)
 
 
 class DraftPlanner:
@@ -209,8 +211,8 @@ class DraftPlanner:
                 # the first step's estimate instead put all of a stale one's error on the later
                 # steps: (phase − f̂)/(n − 1) read 0.79 ms for a 1.65 ms step at n = 4 once the host
                 # had sped up, and moved the exact tier's choice of n with it.
-                self.table.refresh()
-                first, later = self.table.draft_steps(r)
+                # (read live: this is a feedback loop, and a snapshot's lag slowed its convergence)
+                first, later = cost.time("first_draft", r, 1), cost.time("draft", r, 1)
                 total = first + (n - 1) * later
                 if total > 0:
                     cost.observe("first_draft", r, 1, first * phase / total)
