@@ -128,8 +128,14 @@ class Column {
       });
       marks.append(b);
     }
-    const start = d.tiers.find((t) => t.name === this.el.dataset.default) || d.tiers[d.tiers.length - 1];
-    this.slider.value = start.quality;
+    // The column's default tier on the first load only: the dial is loaded again whenever the key
+    // field changes (a browser fires "change" when it loses focus), and that must not undo a
+    // setting the user has made since.
+    if (!this.placed) {
+      const start = d.tiers.find((t) => t.name === this.el.dataset.default) || d.tiers[d.tiers.length - 1];
+      this.slider.value = start.quality;
+      this.placed = true;
+    }
     $(".auto", this.el).hidden = !d.has_head;
     if (!d.has_head) this.auto.checked = false;
     this.readout();
