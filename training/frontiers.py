@@ -123,11 +123,12 @@ def shared_range(groups: dict[str, list[Point]], axis: str) -> tuple[float, floa
 def _area_members(groups: dict[str, list[Point]], axis: str) -> tuple[list[str], dict[str, float]]:
     """The methods the areas compare, and those left out (name -> where its frontier ends): all of
     them if they share a range, else drop the method whose frontier ends lowest until they do."""
+    ends = {m: _extent(pts, axis)[1] for m, pts in groups.items()}
     members, left_out = list(groups), {}
     while len(members) > 2 and shared_range({m: groups[m] for m in members}, axis) is None:
-        end, name = min((_extent(groups[m], axis)[1], m) for m in members)
+        name = min(members, key=lambda m: (ends[m], m))
         members.remove(name)
-        left_out[name] = end
+        left_out[name] = ends[name]
     return members, left_out
 
 

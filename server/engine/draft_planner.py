@@ -56,7 +56,7 @@ class RoundTable:
         self.base = {r: [c.round_time(r, n) for n in range(self.max_n + 1)] for r in rs}
         self.bonus_step = {r: c.time("first_draft", r, 1) for r in rs}  # it follows the target's forward
         self.overhead = {r: c.time("step", r, 0) for r in rs}
-        self._catch_up: dict[int, float] = {}
+        self._catch_up = {}
 
     def __call__(self, r: int, n: int, bonus: float = 0.0) -> float:
         if r > self.max_batch or n > self.max_n:
