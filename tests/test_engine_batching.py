@@ -137,9 +137,17 @@ def test_cancellation_frees_the_row(engine):
             if engine.load() == {"running": 0, "waiting": 0}:
                 break
             await asyncio.sleep(0.01)
-        # A task cancelled mid-stream frees its row too.
-        task = asyncio.create_task(_collect(engine, _req(engine, "another", max_tokens=60, ignore_eos=True)))
-        await asyncio.sleep(0.05)
+        # A task cancelled mid-stream frees its row too. It is cancelled at its first token, not
+        # after a fixed sleep: on a fast host the whole request ran within 50 ms.
+        streaming = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate(_req(engine, "another", max_tokens=60, ignore_eos=True)):
+                streaming.set()
+
+        task = asyncio.create_task(consume())
+        await streaming.wait()
+        assert engine.load()["running"] == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -48,7 +48,7 @@ def serve(tiny_pair, *flags: str, preamble: str = ""):
 
 
 def test_sigterm_drains_then_ends_streams_and_exits_0(tiny_pair):
-    with serve(tiny_pair, "--max-context", "4096", "--drain-timeout", "3") as (proc, url):
+    with serve(tiny_pair, "--max-context", "16384", "--drain-timeout", "3") as (proc, url):
 
         def stream(body: dict, events: list[str], started: threading.Event):
             body = {**body, "stream": True}
@@ -58,8 +58,9 @@ def test_sigterm_drains_then_ends_streams_and_exits_0(tiny_pair):
                         events.append(line[6:])
                         started.set()
 
-        # Greedy on the tiny pair: no EOS for thousands of tokens, far longer than the drain.
-        long_body = {"model": NAME, "prompt": "Tom has 12 apples", "max_tokens": 4000, "temperature": 0}
+        # Greedy on the tiny pair: no EOS for thousands of tokens, far longer than the drain (a fast
+        # host ran 4000 tokens within it: 16000 is ~16 s at 1000 tok/s).
+        long_body = {"model": NAME, "prompt": "Tom has 12 apples", "max_tokens": 16000, "temperature": 0}
         short_body = {"model": NAME, "prompt": "Tom has", "max_tokens": 40, "temperature": 0}
         events, short, first, second = [], [], threading.Event(), threading.Event()
         t = threading.Thread(target=stream, args=(long_body, events, first))
