@@ -61,6 +61,16 @@ its values over its online observations `_REF_SEEN` to `_REF_SEEN + _REF_SPAN �
 (+0.3 where forwards read +0.04 over one minute here). An entry not written in the last
 `_STALE_AFTER` observations reads scaled by exp(level − its level when last written); entries the
 rounds re-time read as measured.
+
+Anchor: the level measures the host against live rounds, so it cannot see a profile taken in a
+spell unlike the serving one (the Qwen-shape bench once read its start-up profile 2x slow, and a
+row's first rounds at N = 4, priced from it alone, 33 % off). Entries the rounds have never
+observed read their profile value times `anchor`: the mean ratio, over the live observations
+`_ANCHOR_SKIP + 1 .. _ANCHOR_SKIP + _ANCHOR_SPAN` of each profiled entry of a computing stage
+(brought to level 0), of observed to profiled seconds, shrunk towards 1 by `_ANCHOR_PRIOR`
+observations. A stage's first observation is its own prior from then on, so the anchor prices
+only what no round has run yet; what remains is the profile's shape (a long forward's cost
+relative to a short one's), which the anchor keeps.
 """
 
 from __future__ import annotations
@@ -86,6 +96,11 @@ _LEVEL_BUCKET = 0.01  # fits are cached until the level moves by 1 %
 # than one reading of it (σ 0.3 per observation: one reading's error has σ ~0.1, the mean's ~0.05).
 _REF_SEEN, _REF_SPAN = 8, 24
 _STALE_AFTER = 64  # observations (~16 rounds) without a write before an entry follows the level
+# The anchor (see the module doc): observations 2..17 of each profiled entry (the first may pay a
+# shape's first-call costs), each ratio clipped to 4x either way, shrunk by one observation of 1
+# (so one reading cannot move every unrun stage by its own noise; 16 plain rounds of two entries
+# bring a 2x-off profile within 2 %).
+_ANCHOR_SKIP, _ANCHOR_SPAN, _ANCHOR_PRIOR, _ANCHOR_CLIP = 1, 16, 1.0, 4.0
 FORMAT = "dialspec-cost-model/1"
 
 
@@ -106,6 +121,7 @@ class Entry:
     last: int = 0  # the model's `updates` then
     seen: int = 0  # online observations (`observe`)
     ref: float = 0.0  # its reference (see _REF_SEEN), complete once seen >= _REF_SEEN + _REF_SPAN
+    origin: float | None = None  # log(seconds) − level as profiled (`set`); None if first observed
 
 
 class CostModel:
@@ -119,13 +135,21 @@ class CostModel:
         self.meta = dict(meta or {})
         self.updates = 0  # online observations so far (plans may cache on it)
         self.level = 0.0  # log of the host's speed change (see "Level" in the module doc)
-        self._level_bucket = 0
+        self._anchor = [0.0, 0.0]  # sum of observed / profiled ratios, their count ("Anchor")
+        self._level_bucket = (0, 0)
         self._curves: dict[str, tuple[list[int], list[float]]] = {}
 
+    @property
+    def anchor(self) -> float:
+        """Live over profiled seconds, for stages no round has run (see "Anchor")."""
+        total, n = self._anchor
+        return (total + _ANCHOR_PRIOR) / (n + _ANCHOR_PRIOR)
+
     def _read(self, e: Entry) -> float:
+        s = e.seconds * self.anchor if e.seen == 0 and e.origin is not None else e.seconds
         if self.updates - e.last <= _STALE_AFTER:
-            return e.seconds
-        return e.seconds * math.exp(self.level - e.mark)
+            return s
+        return s * math.exp(self.level - e.mark)
 
     # -- reading ---------------------------------------------------------------------------
     def _fit(self, kind: str) -> tuple[dict[int, list[tuple[int, float]]], list[int], list[float]]:
@@ -218,7 +242,8 @@ class CostModel:
     def set(self, kind: str, r: int, t: int, seconds: float, count: int = 1) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown stage {kind!r}; one of {KINDS}")
-        self.entries[(kind, r, t)] = Entry(float(seconds), count, self.level, self.updates)
+        origin = math.log(seconds) - self.level if seconds > 0 else None
+        self.entries[(kind, r, t)] = Entry(float(seconds), count, self.level, self.updates, origin=origin)
         self._curves.pop(kind, None)
 
     def observe(self, kind: str, r: int, t: int, seconds: float) -> None:
@@ -228,11 +253,19 @@ class CostModel:
         e = self.entries.get((kind, r, t))
         if e is None:
             self.set(kind, r, t, seconds)
+            self.entries[(kind, r, t)].origin = None  # measured live: no profile to anchor
             return
-        e.seconds = self._read(e)  # a stale entry at the level first, then this observation
+        e.seconds = self._read(e)  # anchored and at the level first, then this observation
         e.count += 1
         e.seconds += max(1.0 / e.count, _EMA) * (float(seconds) - e.seconds)
         e.seen += 1
+        if (
+            e.origin is not None and kind in _LEVEL_KINDS and seconds > _LEVEL_FLOOR
+            and _ANCHOR_SKIP < e.seen <= _ANCHOR_SKIP + _ANCHOR_SPAN
+        ):  # fmt: skip
+            ratio = math.exp(math.log(seconds) - self.level - e.origin)
+            self._anchor[0] += min(max(ratio, 1 / _ANCHOR_CLIP), _ANCHOR_CLIP)
+            self._anchor[1] += 1
         e.last = self.updates
         if kind in _LEVEL_KINDS and e.seconds > _LEVEL_FLOOR and e.seen >= _REF_SEEN:
             reading = math.log(e.seconds) - self.level
@@ -243,7 +276,7 @@ class CostModel:
                 step = reading - e.ref
                 self.level += _LEVEL_RATE * min(max(step, -_LEVEL_CLIP), _LEVEL_CLIP)
         e.mark = self.level
-        bucket = round(self.level / _LEVEL_BUCKET)
+        bucket = (round(self.level / _LEVEL_BUCKET), round(math.log(self.anchor) / _LEVEL_BUCKET))
         if bucket != self._level_bucket:
             self._level_bucket = bucket
             self._curves.clear()
@@ -256,6 +289,8 @@ class CostModel:
         for e in self.entries.values():
             e.seconds *= factor
             e.ref += math.log(factor)
+            if e.origin is not None:
+                e.origin += math.log(factor)
         self._curves.clear()
 
     def copy(self) -> CostModel:
@@ -263,6 +298,7 @@ class CostModel:
         out.entries = {k: Entry(**vars(e)) for k, e in self.entries.items()}
         out.updates = self.updates
         out.level, out._level_bucket = self.level, self._level_bucket
+        out._anchor = list(self._anchor)
         return out
 
     # -- (de)serialising and showing -------------------------------------------------------
@@ -303,6 +339,8 @@ class CostModel:
             "measured_points": len(self.entries),
             # the host's speed against the live references (see "Level"): 1.3 = stages run 30 % slower
             "level": round(math.exp(self.level), 3),
+            # live over profiled seconds, applied to stages no round has run: 2 = the profile read 2x fast
+            "anchor": round(self.anchor, 3),
         }
 
 
