@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from server.engine.draft_length import (
     EXPLORE_AFTER,
     MARGIN,
+    AcceptanceCalibration,
     PairAgreement,
     RowChoice,
     beta_grid,
@@ -93,6 +94,7 @@ class DraftPlanner:
         self.margin = margin
         self.force: int | None = None
         self.agreement = PairAgreement()
+        self.calibration = AcceptanceCalibration()
         self.table = RoundTable(cost, max_batch, max_n)
         self._plans: dict[tuple, list[int]] = {}
 
@@ -102,11 +104,15 @@ class DraftPlanner:
         self.table = RoundTable(cost, self.table.max_batch, self.max_n)
         self._plans.clear()
 
-    def row_choice(self, row) -> RowChoice:
+    def _estimate(self, row) -> tuple[float, tuple]:
+        """The row's acceptance estimate (uncalibrated) and its calibration key."""
         w = row.prior_weight if row.policy.kind == PolicyKind.ENSEMBLE else 1.0
-        prior = 1.0 - w * self.agreement.tv
+        return row.estimate.beta(1.0 - w * self.agreement.tv), (row.policy.kind, round(w, 2))
+
+    def row_choice(self, row) -> RowChoice:
         fixed = None if row.adaptive else row.num_draft
-        beta = row.estimate.beta(prior)
+        raw, key = self._estimate(row)
+        beta = min(raw * self.calibration.factor(key), 1.0)
         catchup = 0.0
         if row.draft_lag > 2:  # a forward over the lag, spread over the rounds left
             rounds_left = max(1.0, row.tokens_left / expected_tokens(beta, max(self.max_n // 2, 1)))
@@ -191,10 +197,15 @@ class DraftPlanner:
 
     def learn(self, batch, out, seconds: dict) -> None:
         """After a round: the rows' acceptance, the pair's TV̂, and the stage times."""
+        r, n, cost = batch.size, batch.n, self.cost
+        if n and self.force is None:  # the planner chose n for its adaptive rows: calibrate
+            for row, k, accept in zip(batch.rows, out.num_accepted, out.accept_probs, strict=True):
+                if row.adaptive:
+                    raw, key = self._estimate(row)  # what this round was planned with
+                    self.calibration.observe(key, k, len(accept), raw)
         for row, accept, tv in zip(batch.rows, out.accept_probs, out.tv, strict=True):
             row.estimate.observe(accept)
             self.agreement.observe(tv)
-        r, n, cost = batch.size, batch.n, self.cost
         forward = seconds.get("verify_forward" if n else "target_forward", 0.0)
         caught_up = self._learn_catch_ups(batch)  # in the draft phase if n, else in the bonus step
         if out.bonus_rows:  # a draft step right after the target's forward, timed alone
