@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from server.cli import main
+from server.engine.bench.workload import request_lengths
 
 
 def test_bench_engine_quick_writes_every_row(tiny_pair, tmp_path):
@@ -36,8 +37,17 @@ def test_bench_engine_quick_writes_every_row(tiny_pair, tmp_path):
     expected = {(m, c) for m in methods for c in (1, 2)} | {("hf_assisted", 1), ("hf_assisted_w0.5", 1)}
     assert got == expected
     by = {(r["method"], r["concurrency"]): r for r in report["rows"]}
-    for m in methods:  # every method serves the same workload, twice over at c = 2 (--waves 1,2)
-        assert 2 * by[(m, 1)]["tokens"] == by[(m, 2)]["tokens"]
+    # every method serves the same workload, twice over at c = 2 (--waves 1,2), lengths spread
+    lengths = {c: request_lengths(2 * c, 8, 0.25) for c in (1, 2)}
+    for m in methods:
+        for c in (1, 2):
+            want = (
+                sum(lengths[c])
+                if m != "hf_generate"
+                else c * sum(max(lengths[c][i : i + c]) for i in range(0, 2 * c, c))
+            )  # `generate` runs each batch to its longest request
+            assert by[(m, c)]["tokens"] == want, (m, c)
+    assert len(set(lengths[2])) > 1
     for n in range(3):  # a pinned N is what ran
         assert abs(by[(f"dialspec_exact_N{n}", 1)]["mean_n"] - n) < 1e-9
     for r in report["rows"]:
@@ -52,6 +62,15 @@ def test_bench_engine_quick_writes_every_row(tiny_pair, tmp_path):
     assert meta["cost_model"]["target_ms"] and meta["bandwidth"]["limit_tokens_per_s"] > 0
     assert meta["dtype"] in ("float32", "bfloat16") and meta["dtype_choice"]["dtype"] == meta["dtype"]
     assert "## Cost model" in md and "x waves=1 at c=1, 2 at c=2" in md
+
+
+def test_request_lengths_spread_evenly_around_the_mean():
+    """Bench requests differ in length (so rows do not finish in lockstep) with the mean kept."""
+    lengths = request_lengths(64, 24, 0.25)
+    assert min(lengths) >= 18 and max(lengths) <= 30 and len(set(lengths)) >= 10
+    assert abs(sum(lengths) / 64 - 24) < 0.5
+    assert lengths[:8] == request_lengths(8, 24, 0.25)  # a prefix of a longer run: the same requests
+    assert request_lengths(8, 24, 0.0) == [24] * 8
 
 
 def test_bench_engine_max_seconds_stops_starting_runs(tiny_pair, tmp_path):
@@ -77,6 +96,8 @@ def test_bench_engine_user_mistakes_are_cli_errors(tmp_path, capsys):
     assert "one per --concurrency (2)" in capsys.readouterr().err
     assert main(["bench", "engine", "--waves", "x"]) == 2
     assert main(["bench", "engine", "--waves", "0"]) == 2
+    assert main(["bench", "engine", "--length-spread", "1"]) == 2
+    assert "--length-spread must be in [0, 1)" in capsys.readouterr().err
 
 
 def test_bench_engine_device_mistakes_are_cli_errors(tiny_pair, capsys):

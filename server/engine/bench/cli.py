@@ -34,6 +34,11 @@ def register(subparsers) -> None:
     # tokens, and text forced past EOS is noise to both models (acceptance 0.31 at 64 tokens vs the
     # pair's 0.72), so the default stays inside the answers.
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per request, EOS ignored (default 24)")
+    p.add_argument(
+        "--length-spread", type=float, default=0.25,
+        help="request lengths spread evenly over max_tokens x (1 ± this), mean max_tokens; 0 = all "
+        "equal, which keeps plain decoding's batches in lockstep (default 0.25)",
+    )  # fmt: skip
     p.add_argument("--prompts", type=int, default=8, help="task-suite prompts in the workload (default 8)")
     p.add_argument(
         "--waves", default="1",
@@ -92,6 +97,8 @@ def _validate(args) -> tuple[tuple[int, ...], tuple[str, ...], str, str]:
         raise CLIError(f"--concurrency must be integers like 1,8, got {args.concurrency!r}") from exc
     if not conc or min(conc) < 1 or args.max_tokens < 1 or not 1 <= args.max_num_draft <= 16:
         raise CLIError("need concurrency >= 1, --max-tokens >= 1 and 1 <= --max-num-draft <= 16")
+    if not 0 <= args.length_spread < 1:
+        raise CLIError(f"--length-spread must be in [0, 1), got {args.length_spread}")
     tiers = tuple(t.strip() for t in args.tiers.split(",") if t.strip())
     bad = [t for t in tiers if t not in TIERS]
     if bad or not tiers:
@@ -143,7 +150,7 @@ def _main(args) -> int:
             waves=args.waves, trials=trials, tiers=tiers, sweep=sweep,
             max_num_draft=args.max_num_draft, temperature=args.temperature, include_hf=not args.no_hf,
             include_hf_assisted=not args.no_hf_assisted, device=str(device), dtype=args.dtype,
-            max_seconds=args.max_seconds, cache_dir=args.cache_dir,
+            max_seconds=args.max_seconds, cache_dir=args.cache_dir, length_spread=args.length_spread,
         )  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

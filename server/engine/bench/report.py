@@ -209,7 +209,8 @@ def to_markdown(report: dict) -> str:
     bw = m.get("bandwidth") or {}
     lines = [
         f"# dialspec bench engine\n\ntarget `{m['target']}`, draft `{m['draft']}`, "
-        f"max_tokens={m['max_tokens']}, temperature={m['temperature']}, device={m['device']} "
+        f"max_tokens={m['max_tokens']} (mean, spread ±{m.get('length_spread', 0):.0%}), "
+        f"temperature={m['temperature']}, device={m['device']} "
         f"({m.get('device_name', '')}), dtype={m['dtype']}, threads={m['torch_threads']}, "
         f"prompts={m['prompts']} x waves={_waves(m)}, best of {m['trials']} trial(s)\n",
     ]

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 from server.engine.bench.hf_baselines import hf_run
 from server.engine.bench.report import BenchRow, check_targets, engine_row
-from server.engine.bench.workload import bench_prompts, engine_run
+from server.engine.bench.workload import bench_prompts, engine_run, request_lengths
 
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_assisted_w0.5")
 TIERS = ("exact", "pro", "standard", "lite", "q0")  # the dial's tiers, and quality 0 (all accepted)
@@ -33,7 +33,8 @@ class BenchConfig:
     target_path: str
     draft_path: str
     concurrency: tuple[int, ...] = (1, 8)
-    max_tokens: int = 24
+    max_tokens: int = 24  # the mean; each request's own is spread (`workload.request_lengths`)
+    length_spread: float = 0.25
     prompts: int = 8  # task-suite prompts in the workload
     waves: int | tuple[int, ...] = 1  # passes over the prompt list; or one per concurrency
     trials: int = 2  # interleaved repeats; the fastest is kept
@@ -218,11 +219,16 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     chats, prompt_ids = _workload(tok, cfg.prompts)
+    max_len = max(
+        request_lengths(
+            len(chats) * max(cfg.waves_at(c) for c in cfg.concurrency), cfg.max_tokens, cfg.length_spread
+        )
+    )
     engine = EmbeddedEngine(
         EmbeddedEngineConfig(
             cfg.target_path, cfg.draft_path, num_draft=None, max_num_draft=cfg.max_num_draft,
             max_batch=max(cfg.concurrency),
-            max_context=max(len(p) for p in prompt_ids) + cfg.max_tokens + 8, device=cfg.device,
+            max_context=max(len(p) for p in prompt_ids) + max_len + 8, device=cfg.device,
             dtype=cfg.dtype, profile_budget_s=cfg.profile_budget_s, cache_dir=cfg.cache_dir,
         )
     )  # fmt: skip
@@ -250,12 +256,14 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
         """The same request list as the engine: batches of c for `generate`, one by one for assisted."""
         target, draft = hf_models
         texts = [chats[i % len(chats)] for i in range(len(chats) * cfg.waves_at(c))]
+        lengths = request_lengths(len(texts), cfg.max_tokens, cfg.length_spread)
         d = None if method == "hf_generate" else draft
         w = 0.5 if method.endswith("w0.5") else None
-        batches = [texts[i : i + c] for i in range(0, len(texts), c)]
         out = []
-        for b in batches:
-            out.append(hf_run(target, d, tok, b, cfg.max_tokens, cfg.temperature, 5, w))
+        for i in range(0, len(texts), c):
+            # `generate` runs a batch to its longest request and is credited every token it made
+            b = texts[i : i + c]
+            out.append(hf_run(target, d, tok, b, max(lengths[i : i + c]), cfg.temperature, 5, w))
             for _ in b:
                 best.request_done()
         return sum(r[0] for r in out), sum(r[1] for r in out)
@@ -276,7 +284,7 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
                     planner.force = fixed if tier is not None else None
                     result = engine_run(
                         engine, prompt_ids, cfg.max_tokens, cfg.temperature, verify, c, cfg.waves_at(c),
-                        on_request=best.request_done,
+                        on_request=best.request_done, spread=cfg.length_spread,
                     )  # fmt: skip
                     best.keep((method, c), result)
                 planner.force = None
@@ -305,7 +313,8 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
         "stopped_early": f"{len(skipped)} runs skipped" if skipped else None, "skipped": skipped,
         "wall_s": round(time.perf_counter() - t_start, 1),
         "protocol": "closed loop: c clients work through the same prompts x waves seeded requests "
-        "at every c; best of `trials` interleaved runs per row; EOS ignored; tok/s counts prompt "
-        "prefills, decode tok/s and the speedups do not (the cost model predicts rounds)",
+        "at every c, lengths spread evenly over max_tokens x (1 ± length_spread); best of `trials` "
+        "interleaved runs per row; EOS ignored; tok/s counts prompt prefills, decode tok/s and the "
+        "speedups do not (the cost model predicts rounds)",
     }  # fmt: skip
     return {"meta": meta, "rows": [asdict(r) for r in rows], "targets": check_targets(rows, meta)}
