@@ -293,7 +293,9 @@ def choose(
                 best, best_score = ns, score
         if best_score < floor * (1 + margin):
             best, best_score = base, floor
-        for _ in range(2):  # single-class moves; two passes settle a batch of mixed tiers
+        # Single-class moves; two passes settle a batch of mixed tiers. With one class to adapt
+        # the common scan above was exhaustive (a third of the search's cost at one row).
+        for _ in range(2 if len(adaptive) > 1 else 0):
             moved = False
             for c in adaptive:
                 for n in range(max_n + 1):
