@@ -423,3 +423,59 @@ def test_the_planner_calibrates_only_what_it_chose():
     planner.learn(SimpleNamespace(size=4, n=2, rows=rows, catch_ups=[]), out, seconds)
     assert sum(planner.calibration.sums.values(), [])[0] == 0  # nothing accepted
     assert planner.row_choice(rows[0]).beta < raw
+
+
+def test_moves_find_what_a_full_scan_finds():
+    """`choose` tries, per class, the ns other classes use and its best round of its own instead
+    of every n: over 600 random mixed batches (tiers, fixed rows, catch-ups, caps, step
+    overheads, three cost structures) its plans are the full scan's."""
+    import inspect
+
+    from server.engine import draft_length
+
+    loop = "for n in sorted({*best, *([] if alone is None else [alone])}):"
+    src = inspect.getsource(draft_length.choose)
+    assert loop in src
+    scope: dict = {}
+    exec(src.replace(loop, "for n in range(max_n + 1):"), vars(draft_length), scope)
+    full = scope["choose"]
+    rng = random.Random(0)
+    fast = _model(lambda r, t: 6e-4 + 1.2e-4 * r * t, lambda r: 2.2e-4 + 3e-5 * r, check=6e-5, other=1.8e-4)
+    for _ in range(600):
+        model = rng.choice([overhead_bound(), compute_bound(), fast])
+        rows = [
+            RowChoice(
+                round(rng.uniform(0.3, 1.0) / 0.05) * 0.05,
+                rng.random() < 0.5,
+                rng.random() < 0.3,
+                rng.choice([None, None, None, 0, 2]),
+                rng.choice([0.0, 0.0, 1e-4]),
+                rng.choice([None, None, 2, 5]),
+            )  # fmt: skip
+            for _ in range(rng.randint(1, 8))
+        ]
+        step = rng.choice([0.0, 2e-4, 1e-3])
+        assert choose(rows, model.round_time, MAX_N, step=step) == full(
+            rows, model.round_time, MAX_N, step=step
+        )
+
+
+def test_a_plain_step_of_the_same_rows_skips_the_search(monkeypatch):
+    """Rows planned at n = 0 stay there without a search while nothing that could favour drafting
+    has moved (the same rows, the same snapshot); a new row brings the search back."""
+    from server.engine import draft_planner
+
+    planner = DraftPlanner(compute_bound(), MAX_N)
+    rows = [_row(lag=3) for _ in range(3)]
+    calls = []
+    real = draft_planner.choose
+    monkeypatch.setattr(draft_planner, "choose", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for _ in range(5):
+        planner.assign(rows)
+        for row in rows:  # a plain round: the draft falls behind, the request nears its end
+            row.draft_lag, row.tokens_left = 2 * row.draft_lag, row.tokens_left - 1
+    assert [r.num_draft for r in rows] == [0, 0, 0] and len(calls) == 1
+    assert rows[0].estimate.plain_rounds == 5  # exploration still counts the plain rounds
+    rows.append(_row(lag=0))
+    planner.assign(rows)
+    assert len(calls) == 2

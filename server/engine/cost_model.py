@@ -226,13 +226,23 @@ class CostModel:
 
     def round_time(self, r: int, n: int, bonus: float = 0.0) -> float:
         """Predicted seconds of one round of R rows with draft length n (see the module doc)."""
-        return (
-            (min(n, 1) + bonus) * self.time("first_draft", r, 1)
-            + max(n - 1, 0) * self.time("draft", r, 1)
+        return self.round_times(r, n, n)[0] + bonus * self.time("first_draft", r, 1)
+
+    def round_times(self, r: int, max_n: int, min_n: int = 0) -> list[float]:
+        """`round_time(r, n)` for n = min_n..max_n, reading the per-round stages once."""
+        first, later, other = (
+            self.time("first_draft", r, 1),
+            self.time("draft", r, 1),
+            self.time("other", r, 0),
+        )
+        return [
+            min(n, 1) * first
+            + max(n - 1, 0) * later
             + self.time("score", r, n + 1)
             + self.time("check", r, n)
-            + self.time("other", r, 0)
-        )
+            + other
+            for n in range(min_n, max_n + 1)
+        ]
 
     def draft_only_round_time(self, r: int, n: int) -> float:
         """Predicted seconds of a draft-only round: n draft steps and the round's fixed part."""

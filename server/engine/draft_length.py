@@ -59,6 +59,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from verifier.theory import expected_accepted_length_constant
 
@@ -106,9 +107,9 @@ def expected_tokens(beta: float, n: int) -> float:
     return 1.0 + expected_accepted_length_constant(min(max(beta, 0.0), 1.0), n)
 
 
-@dataclass(frozen=True)
-class RowChoice:
-    """What the policy needs to know about one row."""
+class RowChoice(NamedTuple):
+    """What the policy needs to know about one row (a tuple: the planner builds one per row and
+    step and keys its plan cache on them, and a frozen dataclass cost ~3x as much to build)."""
 
     beta: float  # acceptance estimate
     needs_q: bool = False  # bonus from ν with w < 1 (see the module doc)
@@ -245,11 +246,15 @@ class _Search:
             [(1.0 - min(max(r.beta, 0.0), 1.0) ** n) ** k if n else 0.0 for n in ns] for r, k in self.classes
         ]
 
-    def goodput(self, ns: Sequence[int]) -> float:
-        """ns: one n per class."""
+    def _parts(self, ns: Sequence[int], skip: int = -1) -> tuple[float, float]:
+        """(expected tokens, seconds) of a step with one n per class, class `skip` left out."""
         groups: dict[int, list] = {}  # n -> [rows, P(no bonus step), any row needs q, catch-up s]
+        tokens = 0.0
         for c, n in enumerate(ns):
+            if c == skip:
+                continue
             row, k = self.classes[c]
+            tokens += self.tokens[c][n]
             g = groups.get(n)
             if g is None:
                 g = groups[n] = [0, 1.0, False, 0.0]
@@ -263,8 +268,31 @@ class _Search:
         seconds = self.step
         for n, (size, none, needy, catchup) in groups.items():
             seconds += self.round_time(size, n, 1.0 - none if needy else 0.0) + catchup
-        tokens = sum(self.tokens[c][n] for c, n in enumerate(ns))
+        return tokens, seconds
+
+    def goodput(self, ns: Sequence[int]) -> float:
+        """ns: one n per class."""
+        tokens, seconds = self._parts(ns)
         return tokens / seconds if seconds > 0 else math.inf
+
+    def best_alone(self, ns: Sequence[int], c: int) -> int | None:
+        """The best n for class c among those no other class uses (a round of its own), the rest
+        as in `ns`: one pass over the rest, then one round time per n (a full scan of goodput
+        over n re-reads every class for each)."""
+        tokens, seconds = self._parts(ns, skip=c)
+        row, k = self.classes[c]
+        used = {n for d, n in enumerate(ns) if d != c}
+        best, best_score = None, -math.inf
+        for n in range(len(self.tokens[c])):
+            if n in used:
+                continue
+            needy = draws_q(row, n)
+            s = seconds + self.round_time(k, n, 1.0 - self.no_bonus[c][n] if needy else 0.0)
+            s += k * row.catchup if n or needy else 0.0
+            score = (tokens + self.tokens[c][n]) / s if s > 0 else math.inf
+            if score > best_score:
+                best, best_score = n, score
+        return best
 
 
 def choose(
@@ -298,7 +326,12 @@ def choose(
         for _ in range(2 if len(adaptive) > 1 else 0):
             moved = False
             for c in adaptive:
-                for n in range(max_n + 1):
+                # The class's best n is either one another class uses (it joins that round) or
+                # its best in a round of its own: trying those is a full scan's result at a
+                # fraction of its cost (the planner's time at c = 8 was 6 % of the embedded
+                # pair's rounds on a fast host, most of it here).
+                alone = search.best_alone(best, c)
+                for n in sorted({*best, *([] if alone is None else [alone])}):
                     if n == best[c]:
                         continue
                     trial = list(best)
