@@ -256,14 +256,15 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
         """The same request list as the engine: batches of c for `generate`, one by one for assisted."""
         target, draft = hf_models
         texts = [chats[i % len(chats)] for i in range(len(chats) * cfg.waves_at(c))]
-        lengths = request_lengths(len(texts), cfg.max_tokens, cfg.length_spread)
         d = None if method == "hf_generate" else draft
         w = 0.5 if method.endswith("w0.5") else None
         out = []
         for i in range(0, len(texts), c):
-            # `generate` runs a batch to its longest request and is credited every token it made
+            # Every request at max_tokens (the engine's mean): `generate` runs a batch to its longest
+            # request, so spread lengths would have it either credited tokens it did not owe (its
+            # prompt cost spread thinner) or charged steps it did not need.
             b = texts[i : i + c]
-            out.append(hf_run(target, d, tok, b, max(lengths[i : i + c]), cfg.temperature, 5, w))
+            out.append(hf_run(target, d, tok, b, cfg.max_tokens, cfg.temperature, 5, w))
             for _ in b:
                 best.request_done()
         return sum(r[0] for r in out), sum(r[1] for r in out)
