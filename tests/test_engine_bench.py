@@ -30,7 +30,8 @@ def test_bench_engine_quick_writes_every_row(tiny_pair, tmp_path):
     report = json.loads((out / "engine.json").read_text())
     md = (out / "engine.md").read_text()
     tiers = ["exact", "lite"]
-    methods = ["hf_generate", "dialspec_ar", "dialspec_ar_control"] + [f"dialspec_{t}" for t in tiers]
+    methods = ["hf_generate", "dialspec_ar", "dialspec_ar_control", "dialspec_ar_uniform"]
+    methods += [f"dialspec_{t}" for t in tiers]
     methods += [f"dialspec_{t}_N{n}" for t in tiers for n in range(3)]
     got = {(r["method"], r["concurrency"]) for r in report["rows"]}
     # HF assisted generation is batch-1 only: measured once, at c = 1.
@@ -41,7 +42,8 @@ def test_bench_engine_quick_writes_every_row(tiny_pair, tmp_path):
     lengths = {c: request_lengths(2 * c, 8, 0.25) for c in (1, 2)}
     for m in methods:
         for c in (1, 2):
-            want = sum(lengths[c]) if m != "hf_generate" else 2 * c * 8  # HF: every request at the mean
+            uniform = m in ("hf_generate", "dialspec_ar_uniform")  # HF's workload: every request at the mean
+            want = 2 * c * 8 if uniform else sum(lengths[c])
             assert by[(m, c)]["tokens"] == want, (m, c)
     assert len(set(lengths[2])) > 1
     for n in range(3):  # a pinned N is what ran

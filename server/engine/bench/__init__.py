@@ -5,7 +5,10 @@ and assisted generation on the same requests), `report` (rows, targets, markdown
 (`run_bench`: every method at every concurrency, interleaved trials), `cli` (the subcommand).
 
 Workload: the same list of requests at every concurrency c — `prompts` task-suite prompts x
-`waves`, seeded per request — served by c closed-loop clients, so rows differ only in c and method.
+`waves`, seeded per request, lengths spread evenly over max_tokens x (1 ± `length_spread`)
+(`workload.request_lengths`) — served by c closed-loop clients, so rows differ only in c and
+method. HF `generate` cannot serve spread lengths in a batch: it and `dialspec_ar_uniform` run
+every request at max_tokens, and the AR / HF line compares those two.
 
 Methods (every row measured in the same run, same requests, same max_tokens, EOS ignored):
     hf_generate           HF `generate` on the target alone (batched with left padding), same dtype.
@@ -14,6 +17,7 @@ Methods (every row measured in the same run, same requests, same max_tokens, EOS
     hf_assisted_w0.5      the same with `assistant_ensemble_weight=0.5` (installed transformers has it).
     dialspec_ar           the embedded engine, target only (autoregressive requests, no draft at all).
     dialspec_ar_control   the same again, interleaved: its ratio to dialspec_ar is the run's noise.
+    dialspec_ar_uniform   AR on HF generate's workload (every request at max_tokens; with the HF rows).
     dialspec_<tier>       the engine at a dial tier (exact, pro, standard, lite; q0 = quality 0, every
                           draft accepted) with the adaptive draft length.
     dialspec_<tier>_N<k>  the same tier with N pinned to k for every round (`--sweep`: k = 0..N_max,

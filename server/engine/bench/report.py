@@ -138,8 +138,9 @@ def check_targets(rows: list[BenchRow], meta: dict) -> dict:
                 worst.measured_speedup / worst.predicted_speedup, MEASURED_OVER_PREDICTED
             )
         hf = by.get(("hf_generate", c))
-        if hf is not None:
-            out[f"engine AR / HF generate, c={c}"] = _target(ar.tokens_per_s / hf.tokens_per_s, AR_OVER_HF)
+        if hf is not None:  # on HF's workload (`runner.UNIFORM`) where that row ran
+            same = by.get(("dialspec_ar_uniform", c), ar)
+            out[f"engine AR / HF generate, c={c}"] = _target(same.tokens_per_s / hf.tokens_per_s, AR_OVER_HF)
     ar1 = by.get(("dialspec_ar", 1))
     bandwidth = meta.get("bandwidth") or {}
     # A real-size target's target: a few-MB model is bound by per-op overhead, not bandwidth.
