@@ -1,8 +1,8 @@
 #!/bin/bash
 # Issue 13's real-size bench on CPU: random-weight Qwen2.5-0.5B -> 1.5B shapes (dialspec pair synth).
-# ~10 min for c = 1 (--dtype auto picks bf16 for batch 1 here), ~10 min for c = 8 (fp32 for
-# max_batch 8: prompts and full batches are compute-bound, and bf16 without matmul units is slow at
-# compute); c = 8 runs three tiers.
+# --dtype auto measures which dtype is faster on the host: on a 2-core host without bf16 matrix units
+# it picked bf16 for batch 1 and fp32 for max_batch 8 (prompts and full batches are compute-bound
+# there), ~10 min per half; on one with them, bf16 for both, ~2 min per half. c = 8 runs three tiers.
 PY=${PY:-.venv/bin/python}
 P=/tmp/synth-qwen
 $PY -m server.cli bench engine --target $P/target --draft $P/draft --concurrency 1 --prompts 2 --max-tokens 16 \
