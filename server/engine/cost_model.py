@@ -249,10 +249,12 @@ class CostModel:
         return n * self.time("draft_only", r, 1) + self.time("other", r, 0)
 
     # -- writing ---------------------------------------------------------------------------
-    def set(self, kind: str, r: int, t: int, seconds: float, count: int = 1) -> None:
+    def set(self, kind: str, r: int, t: int, seconds: float, count: int = 1, profiled: bool = True) -> None:
+        """An entry as profiled (or cached; `profiled=False`: a live measurement, which the anchor
+        leaves alone)."""
         if kind not in KINDS:
             raise ValueError(f"unknown stage {kind!r}; one of {KINDS}")
-        origin = math.log(seconds) - self.level if seconds > 0 else None
+        origin = math.log(seconds) - self.level if profiled and seconds > 0 else None
         self.entries[(kind, r, t)] = Entry(float(seconds), count, self.level, self.updates, origin=origin)
         self._curves.pop(kind, None)
 
@@ -262,8 +264,7 @@ class CostModel:
         self.updates += 1
         e = self.entries.get((kind, r, t))
         if e is None:
-            self.set(kind, r, t, seconds)
-            self.entries[(kind, r, t)].origin = None  # measured live: no profile to anchor
+            self.set(kind, r, t, seconds, profiled=False)
             return
         e.seconds = self._read(e)  # anchored and at the level first, then this observation
         e.count += 1
