@@ -181,6 +181,15 @@ def _row(n, rates):
     return BenchRow("m", 1, 1, 1.0, best, tier="exact", fixed_n=n, trial_tokens_per_s=list(rates))
 
 
+def test_paired_ratio_is_the_median_of_same_trial_ratios():
+    from server.engine.bench.report import paired_ratio
+
+    tier, ar = _row(None, [90, 120, 100]), _row(None, [100, 100, 110])
+    assert paired_ratio(tier, ar) == pytest.approx(100 / 110)  # of 0.9, 1.2, 0.909
+    assert paired_ratio(_row(None, [90, 120]), _row(None, [100, 100])) == pytest.approx(1.05)
+    assert paired_ratio(_row(None, [90]), _row(None, [100])) is None
+
+
 def test_held_out_ratio_picks_n_on_the_other_trials():
     from server.engine.bench.report import held_out_ratio
 
