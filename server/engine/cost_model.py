@@ -274,7 +274,7 @@ class CostModel:
             e.origin is not None and kind in _LEVEL_KINDS and seconds > _LEVEL_FLOOR
             and _ANCHOR_SKIP < e.seen <= _ANCHOR_SKIP + _ANCHOR_SPAN
         ):  # fmt: skip
-            ratio = math.exp(math.log(seconds) - self.level - e.origin)
+            ratio = seconds / math.exp(e.origin + self.level)
             self._anchor[0] += min(max(ratio, 1 / _ANCHOR_CLIP), _ANCHOR_CLIP)
             self._anchor[1] += 1
         e.last = self.updates

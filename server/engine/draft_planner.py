@@ -214,7 +214,8 @@ class DraftPlanner:
         self.table.refresh()
         self.profile_table.refresh()
         if n:
-            # the choices this step's plan was made from (nothing they read has moved since)
+            # the choices this step's plan was made from (an earlier round of the step may have
+            # moved TV̂ since, by one round's evidence: the plan's view is close, and it is free)
             choices = [self._choices.get(id(row)) or self.row_choice(row) for row in rows]
             bonus = bonus_steps([c.beta for c in choices if draws_q(c, n)], n)
         else:  # a bonus step iff some row draws from ν at n = 0 (`draws_q`): no estimates needed
