@@ -156,7 +156,12 @@ def test_completion_stream_without_usage_puts_stats_on_last_chunk(client):
     assert "".join(c.choices[0].text for c in chunks).__len__() == 9
     assert chunks[-1].choices[0].finish_reason == "length"
     assert chunks[-1].model_extra["dialspec"]["draft_tokens"] > 0
-    assert all("dialspec" not in (c.model_extra or {}) for c in chunks[:-1])
+    # the first chunk announces the served quality (alone); the ones between carry nothing
+    assert chunks[0].model_extra["dialspec"] == {
+        "tier": "exact", "quality": 1.0, "requested_tier": "exact", "requested_quality": 1.0,
+        "min_quality": 1.0,
+    }  # fmt: skip
+    assert all("dialspec" not in (c.model_extra or {}) for c in chunks[1:-1])
 
 
 def test_raw_sse_wire_format(served):

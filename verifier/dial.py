@@ -278,3 +278,72 @@ def model_names(served: str, config: DialConfig, has_head: bool = False) -> list
     """The served names: the pair (default quality), one per tier, and `<pair>:auto` with a head."""
     tiers = [*config.tiers, AUTO] if has_head else list(config.tiers)
     return [served] + [f"{served}:{tier}" for tier in tiers]
+
+
+# -- brownout: serving a request below its quality, never below its floor ---------------------------
+# Under overload the gateway may serve a request at a lower quality than it asked for, down to the
+# floor the client allowed (`min_quality`; server/gateway/brownout.py decides when). The rungs it
+# steps over and what a lowered request becomes are dial concepts, so they are written here.
+def ladder(config: DialConfig) -> tuple[float, ...]:
+    """The qualities brownout steps through, highest first: every tier's and 0 (the draft alone)."""
+    return tuple(sorted({*config.tiers.values(), 0.0}, reverse=True))
+
+
+def resolve_floor(min_quality: float | str | None, point: DialPoint, config: DialConfig) -> float | None:
+    """The lowest quality a request allows: `min_quality` (a number in [0, 1] or a tier name), by
+    default the requested quality itself (brownout never touches it). None for requests brownout
+    cannot lower (autoregressive mode, when no floor is sent). Raises DialError naming `min_quality`."""
+    if min_quality is None:
+        return point.quality
+    v = point.verification
+
+    def error(message: str) -> DialError:
+        return DialError(message, param="min_quality", code="invalid_min_quality")
+
+    if v.mode == AUTOREGRESSIVE or v.policy != PolicyKind.ENSEMBLE or v.learned:
+        raise error(
+            "min_quality works with a number or a tier as quality on the ensemble verifier "
+            f"(this request is {point.policy_name}, quality {point.label!r}); remove min_quality"
+        )
+    if isinstance(min_quality, str):
+        if min_quality not in config.tiers:
+            raise error(f"unknown min_quality tier {min_quality!r}; use a number in [0, 1] or one of: "
+                        f"{', '.join(sorted(config.tiers))}")  # fmt: skip
+        floor = config.tiers[min_quality]
+    else:
+        try:
+            floor = check_unit(min_quality, "min_quality")
+        except DialError as exc:
+            raise error(str(exc)) from None
+    if floor > point.quality:
+        raise error(
+            f"min_quality {floor:g} is above the requested quality {point.quality:g}; a floor must be "
+            "at or below the quality it protects"
+        )
+    return floor
+
+
+def lowered_quality(quality: float, floor: float, level: int, rungs: tuple[float, ...]) -> float:
+    """The quality brownout level `level` serves a request at (`rungs` = `ladder(...)`).
+
+    A request's room is the number of rungs strictly below its quality and at or above its floor.
+    Level k lowers a request with room r by k − (K − r) rungs, clamped to [0, r], where K =
+    len(rungs) − 1 is the most room any request can have: at low levels only the requests whose
+    floors leave the most room give, each level asks one more rung of everyone who has it, and at
+    level K every request sits at the lowest rung its floor allows. Never below `floor`; level 0
+    (or a floor at the quality) returns `quality` itself."""
+    below = [q for q in rungs if floor <= q < quality]  # descending: the request's room
+    steps = min(max(level - (len(rungs) - 1 - len(below)), 0), len(below))
+    return below[steps - 1] if steps else quality
+
+
+def at_quality(point: DialPoint, quality: float, config: DialConfig) -> DialPoint:
+    """`point` served at another quality on the ensemble verifier (its N kept): labelled with the
+    tier at that quality, or 'custom'."""
+    if quality == point.quality:
+        return point
+    label = next((name for name, q in config.tiers.items() if q == quality), CUSTOM)
+    v = replace(
+        verification_for(PolicyKind.ENSEMBLE, quality, config), num_draft=point.verification.num_draft
+    )
+    return DialPoint(label, quality, v)

@@ -14,6 +14,7 @@ Closing (shutdown): waiters and later `acquire` calls get `Closed`; running requ
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from contextlib import asynccontextmanager
 
@@ -34,12 +35,16 @@ class Admission:
         self.max_waiting = max_waiting
         self.running = 0  # slots in use
         self.running_requests = 0
-        self._queue: deque[tuple[int, asyncio.Future]] = deque()
+        self._queue: deque[tuple[int, asyncio.Future, float]] = deque()  # (slots, grant, queued at)
         self.closed = False
 
     @property
     def waiting_requests(self) -> int:
         return len(self._queue)
+
+    def oldest_wait(self, now: float) -> float:
+        """Seconds the head of the queue has waited (0 when nobody waits): O(1), for brownout."""
+        return now - self._queue[0][2] if self._queue else 0.0
 
     @property
     def idle(self) -> bool:
@@ -58,7 +63,7 @@ class Admission:
         if len(self._queue) >= self.max_waiting:
             raise Overloaded()
         fut = asyncio.get_running_loop().create_future()
-        entry = (slots, fut)
+        entry = (slots, fut, time.monotonic())
         self._queue.append(entry)
         try:
             await fut
@@ -74,7 +79,7 @@ class Admission:
         """Admit nothing more: every waiter gets `Closed` now."""
         self.closed = True
         while self._queue:
-            _, fut = self._queue.popleft()
+            _, fut, _ = self._queue.popleft()
             if not fut.done():
                 fut.set_exception(Closed())
 
@@ -85,7 +90,7 @@ class Admission:
 
     def _grant(self) -> None:
         while self._queue and self.running + self._queue[0][0] <= self.max_running:
-            slots, fut = self._queue.popleft()
+            slots, fut, _ = self._queue.popleft()
             if fut.done():
                 continue
             self.running += slots

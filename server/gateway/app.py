@@ -64,6 +64,7 @@ def create_app(
         await engine.start()
         gw.ready = True
         watch = asyncio.ensure_future(gw.watch_engine())
+        brownout = asyncio.ensure_future(gw.run_brownout())
         if on_ready is not None:
             on_ready()
         try:
@@ -71,9 +72,10 @@ def create_app(
         finally:
             await gw.shutdown()  # a no-op when the server already drained (listen.GatewayServer)
             gw.ready = False
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+            for task in (watch, brownout):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await engine.stop()
             gw.close()
 
@@ -166,12 +168,13 @@ def create_app(
         """What the engine measured about itself (behind the API key, like every /v1 path): the
         dtype and how it was chosen, the draft-length mode, and for engines that keep one the live
         cost model in ms per stage (target forward for T = 1..N_max+1 new tokens, draft step, the
-        first draft step after the target's forward, check, other) at batch 1 and max_batch. `{}`
-        from engines that report nothing."""
+        first draft step after the target's forward, check, other) at batch 1 and max_batch; and
+        the gateway's brownout controller (level, arrival rate, measured capacity per level)."""
         runtime = dict(engine.info.runtime)
         live = getattr(engine, "cost_model_summary", None)  # the embedded engine's, refined by every round
         if callable(live) and (summary := live()) is not None:
             runtime["cost_model"] = summary
+        runtime["brownout"] = gw.brownout.summary()  # the gateway's own measurements (brownout.py)
         return {"backend": engine.info.backend, "runtime": runtime}
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -108,10 +108,12 @@ class Tracker:
     """Collects one request's output and timings, and records its metrics exactly once."""
 
     metrics: GatewayMetrics
-    dial: DialPoint
+    dial: DialPoint  # as served (metrics are labelled with it)
     num_choices: int
     prompt_tokens: int  # usage: each distinct prompt counted once, as OpenAI does
     arrival: float = field(default_factory=time.monotonic)
+    requested: DialPoint | None = None  # as asked, when brownout served it lower (None: = dial)
+    floor: float | None = None  # the request's min_quality (None: not lowerable)
     texts: list[list[str]] = field(init=False)
     finish: list[str | None] = field(init=False)
     completion_tokens: list[int] = field(init=False)
@@ -171,6 +173,9 @@ class Tracker:
                 self.metrics.success.labels(finish_reason="abort").inc()
                 self.finish[i] = "abort"
         self.metrics.e2e.labels(tier=self.dial.label).observe(time.monotonic() - self.arrival)
+        self.metrics.tokens_by_quality.labels(
+            requested_tier=(self.requested or self.dial).label, served_tier=self.dial.label
+        ).inc(sum(self.completion_tokens))
         self.metrics.prompt_tokens_total.inc(self.prompt_tokens)
         self.metrics.prompt_tokens.observe(self.prompt_tokens)
 
@@ -180,6 +185,17 @@ class Tracker:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+        }
+
+    def quality(self) -> dict:
+        """What was served and what was asked (the first streamed chunk carries this alone)."""
+        requested = self.requested or self.dial
+        return {
+            "tier": self.dial.label,
+            "quality": self.dial.quality,
+            "requested_tier": requested.label,
+            "requested_quality": requested.quality,
+            "min_quality": self.floor,
         }
 
     def dialspec(self) -> dict:
@@ -206,8 +222,7 @@ class Tracker:
             mean_w = verify.weight  # engine did not report per-position weights: the static w applies
         return {
             "policy": self.dial.policy_name,
-            "tier": self.dial.label,
-            "quality": self.dial.quality,
+            **self.quality(),
             "mean_w": mean_w,
             "drafts": s.drafts,
             "draft_tokens": s.draft_tokens,

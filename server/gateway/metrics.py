@@ -25,6 +25,20 @@ Useful PromQL:
     p99 time to first token:
         histogram_quantile(0.99, sum by (le) (rate(dialspec:time_to_first_token_seconds_bucket[5m])))
 
+Brownout (brownout.py; `requested_tier` / `served_tier` take the `tier` label's values):
+    dialspec:brownout_level                         0 = off or not degraded, up to the ladder's depth
+    dialspec:brownout_degraded_seconds_total        time spent at a level above 0
+    dialspec:requests_by_quality_total{requested_tier, served_tier}
+    dialspec:generation_tokens_by_quality_total{requested_tier, served_tier}
+    dialspec:request_queue_time_seconds             arrival to admission (the part brownout guards)
+
+    share of the last hour spent degraded:
+        rate(dialspec:brownout_degraded_seconds_total[1h])
+    requests per second by (requested -> served) tier:
+        sum by (requested_tier, served_tier) (rate(dialspec:requests_by_quality_total[5m]))
+    p99 queue time:
+        histogram_quantile(0.99, sum by (le) (rate(dialspec:request_queue_time_seconds_bucket[5m])))
+
 Latency definitions: TTFT runs from request arrival (queueing included) to the first generated
 text; inter-token latency is the gap between successive output chunks of one sequence (one chunk per
 verify round, which may carry several tokens: vLLM records it per engine step the same way);
@@ -121,13 +135,36 @@ class GatewayMetrics:
         self.errors = Counter(
             p + "request_errors", "Requests answered with an error, by status.", ["status"], registry=r
         )
+        self.queue_time = Histogram(
+            p + "request_queue_time_seconds",
+            "Arrival to admission (a running slot), seconds.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.brownout_level = Gauge(
+            p + "brownout_level", "Brownout level now (0 = serving every request as asked).", registry=r
+        )
+        self.degraded_seconds = Counter(
+            p + "brownout_degraded_seconds", "Seconds spent at a brownout level above 0.", registry=r
+        )
+        pair = ["requested_tier", "served_tier"]
+        self.requests_by_quality = Counter(
+            p + "requests_by_quality", "Admitted requests by requested and served tier.", pair, registry=r
+        )
+        self.tokens_by_quality = Counter(
+            p + "generation_tokens_by_quality",
+            "Completion tokens by requested and served tier.",
+            pair,
+            registry=r,
+        )
         self.running = Gauge(p + "num_requests_running", "Requests admitted and generating.", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued for admission.", registry=r)
 
-    def bind_load(self, admission) -> None:
-        """Gauges read the admission controller at scrape time (never stale)."""
+    def bind_load(self, admission, brownout) -> None:
+        """Gauges read the admission controller and brownout at scrape time (never stale)."""
         self.running.set_function(lambda: admission.running_requests)
         self.waiting.set_function(lambda: admission.waiting_requests)
+        self.brownout_level.set_function(lambda: brownout.level)
 
     def record_sequence(
         self, tier: str, stats: SpecStats | None, completion_tokens: int, finish: str

@@ -28,7 +28,15 @@ from dataclasses import dataclass, replace
 from server.engine.protocol import Engine, EngineInfo, GenerationRequest, SamplingOptions, check_sampling
 from server.gateway.errors import APIError, bad_request
 from server.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from verifier.dial import DialConfig, DialError, DialPoint, PolicyKind, resolve, tier_from_model_name
+from verifier.dial import (
+    DialConfig,
+    DialError,
+    DialPoint,
+    PolicyKind,
+    resolve,
+    resolve_floor,
+    tier_from_model_name,
+)
 
 _SEED_MOD = 2**63  # choice j of a seeded request uses seed + j, kept in int64 range
 
@@ -41,7 +49,8 @@ class Plan:
     request_id: str
     created: int
     model: str  # echoed back as the client sent it
-    dial: DialPoint
+    dial: DialPoint  # as requested; the gateway swaps in the served point at admission (brownout)
+    floor: float | None  # min_quality: the lowest quality it may be served at (None: not lowerable)
     n: int
     choices: int  # n x prompts: the admission slots it takes
     requested: int | None  # max_tokens as sent (None: the server default, capped by the context)
@@ -143,7 +152,12 @@ def plan(
 ) -> Plan:
     """The cheap checks (no tokenizer): a 4xx APIError, or the request's Plan."""
     info = engine.info
-    dial = resolve_dial(body, engine, settings.dial_config())
+    config = settings.dial_config()
+    dial = resolve_dial(body, engine, config)
+    try:
+        floor = resolve_floor(body.min_quality, dial, config)
+    except DialError as exc:
+        raise bad_request(str(exc), exc.param, code=exc.code) from None
     choices = body.prompt_count() * body.n
     if choices > max_choices:
         raise bad_request(
@@ -186,6 +200,7 @@ def plan(
         created=int(time.time()),
         model=body.model,
         dial=dial,
+        floor=floor,
         n=body.n,
         choices=choices,
         requested=requested,

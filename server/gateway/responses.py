@@ -14,12 +14,27 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class DialspecStats(BaseModel):
+class DialspecQuality(BaseModel):
+    """The quality a request was served at and the one it asked for (they differ only when the
+    server ran brownout and the request allowed it with `min_quality`). A stream's first chunk
+    carries this alone; the final report repeats it."""
+
+    tier: str = Field(
+        description="served: tier name, 'custom' for a numeric quality, 'auto', 'autoregressive'"
+    )
+    quality: float | None = Field(description="served quality (what the output was generated at)")
+    requested_tier: str = Field(description="the tier asked for (same vocabulary as `tier`)")
+    requested_quality: float | None = Field(description="the quality asked for")
+    min_quality: float | None = Field(
+        description="the lowest quality the request allowed (its `min_quality`, or its own quality); "
+        "never above `quality`"
+    )
+
+
+class DialspecStats(DialspecQuality):
     """Per-request speculative decoding report (summed over choices)."""
 
     policy: str = Field(description="verifier policy, or 'autoregressive'")
-    tier: str = Field(description="tier name, 'custom' for a numeric quality, 'auto', 'autoregressive'")
-    quality: float | None
     mean_w: float | None = Field(
         description="mean ensemble weight applied per verified position (and per draft-only token, w = 0)"
     )
@@ -130,7 +145,9 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    dialspec: DialspecStats | None = None
+    dialspec: DialspecStats | DialspecQuality | None = Field(
+        None, description="the served quality on the first chunk; the full report on the last"
+    )
 
 
 class CompletionChunk(BaseModel):
@@ -142,7 +159,9 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChunkChoice]
     usage: Usage | None = None
-    dialspec: DialspecStats | None = None
+    dialspec: DialspecStats | DialspecQuality | None = Field(
+        None, description="the served quality on the first chunk; the full report on the last"
+    )
 
 
 class ModelCard(BaseModel):

@@ -9,6 +9,7 @@ dialspec extensions (top level; the `openai` client's `extra_body` puts them the
     verifier  "ensemble" (default) | "lossy" | "cascade" | "typical": baseline policies to compare
     mode      "speculative" (default) | "autoregressive": the target-only baseline
     num_draft draft length N for this request (engine default when absent)
+    min_quality  the lowest quality the client accepts under overload (brownout; default: `quality`)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from server.engine.protocol import MAX_TOP_K, MIN_TOP_P
-from verifier.dial import POLICY_NAMES
+from verifier.dial import AUTO, POLICY_NAMES
 
 # field -> value(s) that are the same as not sending it (accepted and ignored)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -158,6 +159,13 @@ class _Common(BaseModel):
         description="dialspec: number in [0, 1] (1 = lossless), a tier name (lite, standard, pro, exact) "
         "or 'auto' (learned head). Default: the server's default_quality (exact).",
     )
+    min_quality: StrictFloat | StrictInt | StrictStr | None = Field(
+        None,
+        description="dialspec: the lowest quality (number in [0, 1] or tier name, at most `quality`) this "
+        "request may be served at when the server is overloaded and runs brownout; default: the requested "
+        "quality, so the request is never lowered. The response's `dialspec.quality` / `tier` say what was "
+        "served, `requested_quality` / `requested_tier` what was asked (also X-Dialspec-* headers).",
+    )
     verifier: Literal[POLICY_NAMES] | None = Field(
         None, description="dialspec: verification policy; baselines are for comparison runs"
     )
@@ -267,6 +275,14 @@ def request_models(lim: Limits) -> tuple[type[ChatCompletionRequest], type[Compl
             {"type": "null"},
         ]
     }
+    tier_names = [t for t in lim.tiers if t != AUTO]
+    floor_doc = {
+        "anyOf": [
+            {"type": "number", "minimum": 0, "maximum": 1},
+            {"type": "string", "enum": tier_names} if tier_names else {"type": "string"},
+            {"type": "null"},
+        ]
+    }
     num_draft_doc = {
         "anyOf": [{"type": "integer", "minimum": 1, "maximum": lim.max_num_draft}, {"type": "null"}]
     }
@@ -289,6 +305,11 @@ def request_models(lim: Limits) -> tuple[type[ChatCompletionRequest], type[Compl
             None,
             description="dialspec: draft length N for this request",
             json_schema_extra=_replace_schema(num_draft_doc),
+        )
+        min_quality: StrictFloat | StrictInt | StrictStr | None = Field(
+            None,
+            description=_Common.model_fields["min_quality"].description,
+            json_schema_extra=_replace_schema(floor_doc),
         )
 
     class ChatCompletionRequest(_Limited, _ChatBase):

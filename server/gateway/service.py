@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from server.engine.protocol import Engine, EngineError, engine_fault, engine_readiness
 from server.gateway import prepare as prep_mod
 from server.gateway.admission import Admission, Closed, Overloaded
+from server.gateway.brownout import TICK_S, Brownout
 from server.gateway.errors import APIError, from_engine_error
 from server.gateway.generation import (
     ClientDisconnected,
@@ -65,7 +67,10 @@ class Gateway:
         self.metrics = GatewayMetrics()
         max_running = settings.max_running or engine.info.max_batch
         self.admission = Admission(max_running, settings.max_waiting)
-        self.metrics.bind_load(self.admission)
+        self.brownout = Brownout(
+            settings.dial_config(), settings.brownout_ttft_s, max_running, self.admission.oldest_wait
+        )
+        self.metrics.bind_load(self.admission, self.brownout)
         self.max_choices = min(settings.max_n, max_running)  # n x prompts, published as n's maximum
         self.ready = False  # the lifespan has started the engine
         self.draining = False
@@ -92,6 +97,15 @@ class Gateway:
                 if self.on_fatal is not None:
                     self.on_fatal()
                 return
+
+    async def run_brownout(self) -> None:
+        """Runs for the app's lifetime: the brownout controller's clock (it decides off the
+        request path; a request only reads the level)."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            before = self.brownout.degraded_s
+            self.brownout.tick()
+            self.metrics.degraded_seconds.inc(self.brownout.degraded_s - before)
 
     async def shutdown(self) -> None:
         """Drain (idempotent; concurrent callers wait for the same drain)."""
@@ -164,6 +178,7 @@ class Gateway:
         except APIError as exc:
             raise self._refuse(exc) from None
         slots = plan.choices
+        self.brownout.arrived()
         try:
             await until_disconnect(request, self.admission.acquire(slots))
         except Overloaded:
@@ -183,6 +198,13 @@ class Gateway:
             ) from None
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
+        admitted = time.monotonic()
+        self.metrics.queue_time.observe(admitted - start)
+        requested = plan.dial
+        plan = replace(plan, dial=self.brownout.serve(requested, plan.floor))  # decided once, here
+        self.metrics.requests_by_quality.labels(
+            requested_tier=requested.label, served_tier=plan.dial.label
+        ).inc()
 
         prep: Prepared | None = None
         tracker: Tracker | None = None
@@ -199,6 +221,10 @@ class Gateway:
                 self._runs.discard(run)
             if tracker is not None:
                 tracker.close()
+                if tracker.done:
+                    service_s = time.monotonic() - admitted
+                    tokens = sum(tracker.completion_tokens)
+                    self.brownout.finished(requested, plan.floor, plan.dial, service_s, tokens, slots)
             self.admission.release(slots)
             if prep is not None and tracker is not None:
                 self._log(prep, tracker, start)
@@ -212,7 +238,11 @@ class Gateway:
                 prep = prep_mod.build(plan, prompts, self.engine.info, self.settings)
             except APIError as exc:
                 raise self._refuse(exc) from None
-            tracker = Tracker(self.metrics, prep.dial, slots, prep.prompt_tokens, arrival=start)
+            tracker = Tracker(
+                self.metrics, prep.dial, slots, prep.prompt_tokens, arrival=start, requested=requested,
+                floor=plan.floor,
+            )  # fmt: skip
+            headers = {"X-Request-Id": prep.request_id, **quality_headers(tracker.quality())}
             run = MultiStream(self.engine, prep.requests).start()
             self._runs.add(run)
             if self._cut:
@@ -226,12 +256,12 @@ class Gateway:
                     ping=15,
                     # sse-starlette ends streams once uvicorn exits; the drain has ended ours by then
                     shutdown_grace_period=2,
-                    headers={"X-Request-Id": prep.request_id},
+                    headers=headers,
                 )
                 handed_off = True
                 return response
             await until_disconnect(request, self._collect(run, tracker))
-            return JSONResponse(self._body(prep, tracker), headers={"X-Request-Id": prep.request_id})
+            return JSONResponse(self._body(prep, tracker), headers=headers)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
         except ServerShuttingDown:
@@ -297,3 +327,12 @@ class Gateway:
         if self.settings.log_content:
             for i in range(tracker.num_choices):
                 log.info("%s choice %d text=%r", prep.request_id, i, tracker.text(i))
+
+
+def quality_headers(quality: dict) -> dict[str, str]:
+    """Tracker.quality() as response headers, for clients that do not read the `dialspec` body."""
+    out = {"X-Dialspec-Tier": quality["tier"], "X-Dialspec-Requested-Tier": quality["requested_tier"]}
+    if quality["quality"] is not None:
+        out["X-Dialspec-Quality"] = f"{quality['quality']:g}"
+        out["X-Dialspec-Requested-Quality"] = f"{quality['requested_quality']:g}"
+    return out

@@ -8,6 +8,8 @@ Terms (the dial's own terms are defined in `verifier.dial`, which validates its 
     quality   the dial input: 1 = lossless (exactly the target model), 0 = the draft model.
     running   requests admitted and generating; `max_running` bounds them (None = engine max_batch).
     waiting   requests queued for a running slot; beyond `max_waiting` the gateway answers 429.
+    brownout  with `brownout_ttft_s` set, overload lowers the quality of new requests that allow it
+              (`min_quality`) before it queues them past that time to first token (brownout.py).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class GatewaySettings(BaseSettings):
     max_running: int | None = Field(None, ge=1)
     max_waiting: int = Field(32, ge=0)
     retry_after_s: int = Field(1, ge=0)
+    # Brownout (off by default): the time to first token to hold by serving requests that set a
+    # `min_quality` lower under overload. Clients that send no floor are never lowered.
+    brownout_ttft_s: float | None = Field(None, gt=0)
 
     # Request limits.
     max_body_bytes: int = Field(1_000_000, ge=1024)

@@ -6,7 +6,9 @@ Completions: `text_completion` objects with `text`. The stream ends with `data: 
 
 With `stream_options.include_usage`, every chunk carries `"usage": null` and one final chunk with
 `"choices": []` carries usage and the `dialspec` stats; without it, `dialspec` rides on the last chunk
-that has choices. An error after the stream started is sent as `data: {"error": {...}}` (the
+that has choices. The first chunk carries `dialspec` too, with the served and requested quality
+alone (Tracker.quality), so a client knows what it gets before the first token is read.
+An error after the stream started is sent as `data: {"error": {...}}` (the
 `openai` client raises it) followed by `[DONE]`. When a shutdown's grace period ends first, each
 unfinished choice gets a final chunk with `finish_reason: "abort"` (and the usage chunk, when
 asked for), then the error event `server_shutting_down`, then `[DONE]`.
@@ -73,6 +75,7 @@ async def sse_events(
     """SSE events for a started MultiStream; `first` is the event already taken off it (to turn an
     engine error before any output into a proper HTTP status)."""
     started = [False] * tracker.num_choices
+    announce = {"dialspec": tracker.quality()}  # merged into the stream's first chunk, then empty
     try:
         event = first
         while event is not None:
@@ -81,16 +84,20 @@ async def sse_events(
             trace = trace_entries(chunk)
             if fmt.kind == "chat" and not started[index]:
                 started[index] = True
-                yield {"data": _dump(fmt.choice(index, chunk.text, None, role=True, trace=trace))}
+                payload = fmt.choice(index, chunk.text, None, role=True, trace=trace)
+                yield {"data": _dump({**payload, **announce})}
+                announce = {}
             elif chunk.text or trace:
-                yield {"data": _dump(fmt.choice(index, chunk.text, None, trace=trace))}
+                yield {"data": _dump({**fmt.choice(index, chunk.text, None, trace=trace), **announce})}
+                announce = {}
             if chunk.finish_reason is not None:
                 payload = fmt.choice(index, None if fmt.kind == "chat" else "", chunk.finish_reason)
                 if fmt.kind == "chat":
                     payload["choices"][0]["delta"] = {}
                 if tracker.done and not fmt.include_usage:
                     payload["dialspec"] = tracker.dialspec()
-                yield {"data": _dump(payload)}
+                yield {"data": _dump({**announce, **payload})}
+                announce = {}
             event = await run.next_event()
         if fmt.include_usage:
             yield {"data": _dump(fmt.usage_chunk(tracker.usage(), tracker.dialspec()))}
