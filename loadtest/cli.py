@@ -32,7 +32,7 @@ from loadtest.runner import PhaseResult, run_phase
 from loadtest.schedule import LoadShape, parse_sweep
 from loadtest.scrape import delta, scrape
 from loadtest.summary import summarize_phase
-from loadtest.tiers import TierMixError, assign, format_tier_mix, parse_tier_mix
+from loadtest.tiers import TierMixError, assign, format_tier_mix, parse_floor_mix, parse_tier_mix
 
 
 class UsageError(Exception):
@@ -73,6 +73,14 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--tiers", help="tier mix sent as `quality`, e.g. lite:0.3,standard:0.4,pro:0.3 (default: none)"
+    )
+    p.add_argument(
+        "--floors",
+        help="dialspec brownout: mix of `min_quality` floors, e.g. 0:0.5,lite:0.3,none:0.2 "
+        "(`none` sends no floor; default: no floors)",
+    )
+    p.add_argument(
+        "--slo-ttft-ms", type=float, help="TTFT objective: goodput counts the requests that met it"
     )
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request (default 128)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
@@ -150,6 +158,8 @@ def _check_args(args) -> None:
         raise UsageError("--request-timeout must be a positive number of seconds")
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be at least 1")
+    if args.slo_ttft_ms is not None and not args.slo_ttft_ms > 0:
+        raise UsageError("--slo-ttft-ms must be a positive number of milliseconds")
 
 
 def _extra_body(text: str | None) -> dict:
@@ -200,11 +210,13 @@ async def preflight(client: httpx.AsyncClient, url: str, model: str | None) -> s
     return model
 
 
-def _plan(args, prompts, tiers) -> list[RequestSpec]:
-    chosen = assign(tiers, args.num_requests, args.seed)
+def plan_requests(n: int, prompts, tiers, floors, seed: int) -> list[RequestSpec]:
+    """The workload: prompt, tier, floor and seed of each request, fixed by `seed` alone."""
+    chosen = assign(tiers, n, seed)
+    floor_of = assign(floors, n, seed, stream="floors") if floors else [None] * n
     return [
-        RequestSpec(i, prompts[i % len(prompts)], chosen[i], args.seed * 1_000_003 + i)
-        for i in range(args.num_requests)
+        RequestSpec(i, prompts[i % len(prompts)], chosen[i], seed * 1_000_003 + i, floor_of[i])
+        for i in range(n)
     ]
 
 
@@ -219,13 +231,15 @@ class _State:
     start: float = 0.0
 
 
-def _interrupted_phase(state: _State, planned: int, tier_order: list[str]) -> dict | None:
+def _interrupted_phase(
+    state: _State, planned: int, tier_order: list[str], slo_ttft_ms: float | None
+) -> dict | None:
     """The phase under way at Ctrl-C, from the requests that had finished (in-flight ones are lost)."""
     if state.shape is None or not state.records:
         return None
     records = sorted(state.records, key=lambda r: r.index)
     result = PhaseResult(state.shape, records, time.perf_counter() - state.start, planned, "interrupted")
-    phase = summarize_phase(result, None, "run interrupted (Ctrl-C)", tier_order)
+    phase = summarize_phase(result, None, "run interrupted (Ctrl-C)", tier_order, slo_ttft_ms)
     phase["records"] = [r.to_json() for r in records]
     return phase
 
@@ -275,7 +289,7 @@ async def _run_phases(args, url, opts, plan, shapes, tiers, console, state: _Sta
             if before is not None:
                 after, err = await scrape(client, metrics_url)
             d = delta(before, after) if (before is not None and after is not None) else None
-            phase = summarize_phase(result, d, err, [t.name for t in tiers])
+            phase = summarize_phase(result, d, err, [t.name for t in tiers], args.slo_ttft_ms)
             phase["records"] = [r.to_json() for r in result.records]
             print_phase(console, phase)
             state.phases.append(phase)
@@ -308,6 +322,10 @@ def run(args: argparse.Namespace) -> int:
         tiers = parse_tier_mix(args.tiers)
     except TierMixError as exc:
         raise UsageError(f"--tiers: {exc}") from None
+    try:
+        floors = parse_floor_mix(args.floors)
+    except TierMixError as exc:
+        raise UsageError(f"--floors: {exc}") from None
     n_tasks = 3 if args.prompts == "suite" else max(1, len(args.prompts.partition(":")[2].split(",")))
     try:
         prompts = load_prompts(args.prompts, min(100, math.ceil(args.num_requests / n_tasks)), args.seed)
@@ -324,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
         extra_body=_extra_body(args.extra_body),
         timeout=args.request_timeout,
     )
-    plan = _plan(args, prompts, tiers)
+    plan = plan_requests(args.num_requests, prompts, tiers, floors, args.seed)
     console = Console(width=None if sys.stdout.isatty() else 132)
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
@@ -334,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(_run_phases(args, url, opts, plan, shapes, tiers, console, state))
     except KeyboardInterrupt:
         interrupted = True
-        partial = _interrupted_phase(state, len(plan), [t.name for t in tiers])
+        partial = _interrupted_phase(state, len(plan), [t.name for t in tiers], args.slo_ttft_ms)
         if partial is not None:
             from loadtest.render import print_phase
 
@@ -352,6 +370,8 @@ def run(args: argparse.Namespace) -> int:
         "duration_s": args.duration,
         "prompts": args.prompts,
         "tiers": format_tier_mix(tiers),
+        "floors": format_tier_mix(floors) if floors else None,
+        "slo_ttft_ms": args.slo_ttft_ms,
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "ignore_eos": args.ignore_eos,

@@ -32,6 +32,7 @@ class RequestSpec:
     prompt: Prompt
     tier: Tier
     seed: int | None
+    floor: Tier | None = None  # sent as `min_quality` (dialspec brownout) unless None / no quality
 
 
 @dataclass
@@ -39,6 +40,7 @@ class RequestRecord:
     index: int
     tier: str  # the requested tier (mix name)
     prompt_uid: str
+    floor: str | None = None  # the floor mix name, when the run sends floors
     start: float = 0.0  # send time, seconds since the phase started
     ok: bool = False
     error_kind: str | None = None  # see module docstring
@@ -101,6 +103,8 @@ def build_body(spec: RequestSpec, opts: RequestOptions) -> dict:
         body["seed"] = spec.seed
     if spec.tier.quality is not None:
         body["quality"] = spec.tier.quality
+    if spec.floor is not None and spec.floor.quality is not None:
+        body["min_quality"] = spec.floor.quality
     if opts.ignore_eos:
         body["ignore_eos"] = True
     body.update(opts.extra_body)
@@ -171,7 +175,13 @@ async def send(
     client: httpx.AsyncClient, spec: RequestSpec, opts: RequestOptions, phase_start: float
 ) -> RequestRecord:
     """Send one request and classify how it ended; never raises (except on cancellation)."""
-    rec = RequestRecord(spec.index, spec.tier.name, spec.prompt.uid, start=time.perf_counter() - phase_start)
+    rec = RequestRecord(
+        spec.index,
+        spec.tier.name,
+        spec.prompt.uid,
+        floor=None if spec.floor is None else spec.floor.name,
+        start=time.perf_counter() - phase_start,
+    )
     try:
         await asyncio.wait_for(_stream(client, spec, opts, rec), opts.timeout)
     except (asyncio.TimeoutError, httpx.TimeoutException):

@@ -61,6 +61,18 @@ def benchmark_block(phase: dict) -> str:
     lines.append(_line("Drafts:", spec["drafts"]))
     lines.append(_line("Draft tokens:", spec["draft_tokens"]))
     lines.append(_line("Accepted tokens:", spec["accepted_tokens"]))
+    svc = phase.get("service")
+    if svc is not None:
+        lines.append(_rule("Service Level"))
+        if svc["slo_ttft_ms"] is not None:
+            lines.append(_line(f"Goodput, TTFT <= {svc['slo_ttft_ms']:g} ms (req/s):", svc["goodput"]))
+        lines.append(
+            _line("Refused, 429 (%):", None if svc["refused_rate"] is None else 100 * svc["refused_rate"])
+        )
+        lines.append(_line("Mean quality requested:", svc["requested_quality_mean"]))
+        lines.append(_line("Mean quality served:", svc["served_quality_mean"]))
+        lines.append(_line("Served lower than asked:", svc["lowered"]))
+        lines.append(_line("Served below the floor:", svc["below_floor"]))
     check = phase["metrics_check"]
     verdict = "n/a" if not check["available"] else ("match" if check["match"] else "MISMATCH")
     lines.append(f"{'/metrics delta vs responses:':<40}{verdict:>10}")
@@ -129,10 +141,15 @@ def sweep_table(phases: list[dict]) -> Table:
         "E2EL p50",
         "E2EL p99",
         "accept %",
+        "goodput",
+        "429 %",
+        "quality",
     ):
         table.add_column(col, justify="left" if col == "load" else "right")
     for p in phases:
         rate = p["spec"]["acceptance_rate"]
+        svc = p.get("service") or {}
+        refused = svc.get("refused_rate")
         table.add_row(
             p["label"],
             str(p["completed"]),
@@ -144,6 +161,9 @@ def sweep_table(phases: list[dict]) -> Table:
             _fmt(p["e2e_ms"]["median"], 1),
             _fmt(p["e2e_ms"]["p99"], 1),
             _fmt(None if rate is None else 100 * rate, 1),
+            _fmt(svc.get("goodput")),
+            _fmt(None if refused is None else 100 * refused, 1),
+            _fmt(svc.get("served_quality_mean")),
         )
     return table
 

@@ -11,6 +11,10 @@ Conventions (as `vllm bench serve` / `sglang.bench_serving`):
     mean accepted length     1 + sum accepted / sum drafts
     drift                    median TTFT and e2e of the first vs the last third of successes by
                              send time (a soak's latency drift)
+    goodput                  successes whose TTFT met `--slo-ttft-ms`, per second of the phase
+    served quality           from the `dialspec` extension: the quality each success was served
+                             at (lower than asked only under brownout, never below `min_quality`;
+                             `below_floor` counts violations, which must stay 0)
 The metrics check compares those extension sums with the `/metrics` counter delta per tier label
 (the server's label: a tier name, or `custom` for a numeric quality).
 """
@@ -70,6 +74,32 @@ def _counts(records: list[RequestRecord], duration: float) -> dict:
         "request_throughput": per_s(len(ok)),
         "output_throughput": per_s(out_tok),
         "total_token_throughput": per_s(out_tok + in_tok),
+    }
+
+
+def service_level(records: list[RequestRecord], duration: float, slo_ttft_ms: float | None) -> dict:
+    """Goodput against the TTFT objective, refusals, and the quality served vs asked."""
+    ok = [r for r in records if r.ok]
+    ext = [r.dialspec for r in ok if r.dialspec and isinstance(r.dialspec.get("quality"), (int, float))]
+    served = [e["quality"] for e in ext]
+    asked = [e.get("requested_quality", e["quality"]) for e in ext]
+    floors = [e.get("min_quality") for e in ext]
+    met = (
+        None
+        if slo_ttft_ms is None
+        else sum(1 for r in ok if r.ttft is not None and r.ttft * 1e3 <= slo_ttft_ms)
+    )
+    refused = sum(1 for r in records if r.error_kind == "http_429")
+    return {
+        "slo_ttft_ms": slo_ttft_ms,
+        "met_slo": met,
+        "goodput": None if met is None else (met / duration if duration > 0 else 0.0),
+        "refused_429": refused,
+        "refused_rate": refused / len(records) if records else None,
+        "served_quality_mean": sum(served) / len(served) if served else None,
+        "requested_quality_mean": sum(asked) / len(asked) if asked else None,
+        "lowered": sum(1 for q, a in zip(served, asked, strict=True) if q < a),
+        "below_floor": sum(1 for q, f in zip(served, floors, strict=True) if f is not None and q < f - 1e-9),
     }
 
 
@@ -151,6 +181,7 @@ def summarize_phase(
     delta: SpecCounters | None = None,
     metrics_error: str | None = None,
     tier_order: list[str] | None = None,
+    slo_ttft_ms: float | None = None,
 ) -> dict:
     """The phase's numbers; `tiers` follows `tier_order` (the mix order), unknown names last."""
     records = result.records
@@ -176,6 +207,7 @@ def summarize_phase(
         **_counts(records, result.duration),
         **latency(records),
         "spec": spec_totals(records),
+        "service": service_level(records, result.duration, slo_ttft_ms),
         "tiers": tiers,
         "metrics_check": check,
         "drift": drift(records),

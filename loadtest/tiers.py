@@ -11,6 +11,10 @@ No mix at all means requests carry no `quality` (the server's default); that gro
 
 Assignment is a seeded draw per request index (`assign`), so the same seed gives the same
 sequence of tiers, independent of timing.
+
+The floor mix (`--floors`, dialspec's brownout) has the same syntax; each name is sent as
+`min_quality`, and the name `none` sends no floor (the request is never served lower). Floors are
+drawn independently of tiers (their own seeded stream).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import re
 from dataclasses import dataclass
 
 DEFAULT_GROUP = "default"
+NO_FLOOR = "none"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -76,11 +81,19 @@ def parse_tier_mix(text: str | None) -> list[Tier]:
     return [Tier(name, _quality(name), w / total) for name, w in items]
 
 
+def parse_floor_mix(text: str | None) -> list[Tier] | None:
+    """Parse `--floors` (None: no request sends a floor); the name `none` sends none."""
+    if text is None or not text.strip():
+        return None
+    return [Tier(t.name, None if t.name == NO_FLOOR else t.quality, t.share) for t in parse_tier_mix(text)]
+
+
 def format_tier_mix(tiers: list[Tier]) -> str:
     return ",".join(f"{t.name}:{t.share:.3g}" for t in tiers)
 
 
-def assign(tiers: list[Tier], n: int, seed: int) -> list[Tier]:
-    """The tier of each of `n` requests: independent draws with the mix's shares, seeded."""
-    rng = random.Random(f"tiers:{seed}")
+def assign(tiers: list[Tier], n: int, seed: int, stream: str = "tiers") -> list[Tier]:
+    """The tier of each of `n` requests: independent draws with the mix's shares, seeded
+    (`stream` keeps two mixes drawn with one seed independent of each other)."""
+    rng = random.Random(f"{stream}:{seed}")
     return rng.choices(tiers, weights=[t.share for t in tiers], k=n)
