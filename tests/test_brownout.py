@@ -192,6 +192,25 @@ def test_the_feedback_raises_one_level_a_second_when_the_model_says_enough():
     assert levels == [1] * 4 + [2] * 4 + [3] * 4
 
 
+def test_refusals_raise_like_a_long_wait():
+    """The bounded queue keeps waits short by answering 429: a refusal is the same alarm."""
+    b, clock, queue = make()
+    feed(b, clock, rate=10, seconds=5, per_token=PER_TOKEN)
+    queue["oldest"] = 0.1  # short
+    clock.now += 0.25
+    assert b.tick() == 0
+    b.refused()
+    clock.now += 0.25
+    assert b.tick() == 1
+    # and no step down while refusals go on, however calm the queue looks
+    queue["oldest"] = 0.0
+    for _ in range(20):
+        b.refused()
+        clock.now += 0.25
+        b.tick()
+    assert b.level >= 1
+
+
 def test_it_recovers_one_level_per_hold_once_the_queue_is_empty_and_load_fell():
     b, clock, queue = make()
     feed(b, clock, rate=10, seconds=5, per_token=PER_TOKEN)

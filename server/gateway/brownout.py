@@ -19,7 +19,9 @@ Terms:
 The control rule (every `TICK_S`, on the event loop, O(window)):
     capacity(k) = slots / mean over recent requests of their service time rescaled to the rung
                   level k would serve them at (time per token there / time per token where they ran)
-    raise       when the oldest waiter has waited over half the objective: to the lowest level
+    raise       when the oldest waiter has waited over half the objective, or a request was refused
+                for want of queue room since the last tick (the bounded queue keeps waits short
+                by refusing, so a 429 is the same alarm): to the lowest level
                 whose capacity covers the arrival rate with 10 % headroom, and at least one level
                 up (the model may be wrong; a raise acts only once running requests finish, so
                 feedback raises are spaced by `_RAISE_EVERY_S`).
@@ -81,6 +83,7 @@ class Brownout:
         self._per_token: dict[float, float] = {}  # rung -> seconds per token (per slot)
         self._recent: deque[Finished] = deque(maxlen=_WINDOW)
         self._arrivals = 0  # since the last tick
+        self._refusals = 0  # 429s for want of queue room, since the last tick
         self._ticks: deque[tuple[float, int]] = deque()  # (tick time, arrivals), last _RATE_WINDOW_S
         self._rate = 0.0  # arrivals per second over the window
         now = clock()
@@ -94,6 +97,9 @@ class Brownout:
     # -- per request (O(1)) ----------------------------------------------------------------------
     def arrived(self) -> None:
         self._arrivals += 1
+
+    def refused(self) -> None:
+        self._refusals += 1
 
     def serve(self, point: DialPoint, floor: float | None) -> DialPoint:
         """The dial point a request admitted now runs at: `point`, or lower but never below `floor`."""
@@ -132,7 +138,7 @@ class Brownout:
         if self.level:
             self.degraded_s += dt
         self._ticks.append((now, self._arrivals))
-        self._arrivals = 0
+        self._arrivals, refusals, self._refusals = 0, self._refusals, 0
         while now - self._ticks[0][0] > _RATE_WINDOW_S:
             self._ticks.popleft()
         span = min(_RATE_WINDOW_S, now - self._started)
@@ -140,7 +146,7 @@ class Brownout:
         if not self.enabled:
             return self.level
         waited = self._oldest_wait(now)
-        if waited > _RAISE_AT * self.objective_s:
+        if refusals or waited > _RAISE_AT * self.objective_s:
             target = self._lowest_level_covering(_RAISE_HEADROOM)
             if now - self._raised_at >= _RAISE_EVERY_S:
                 target = max(target, self.level + 1)
@@ -150,6 +156,7 @@ class Brownout:
         elif (
             self.level
             and waited == 0.0
+            and not refusals
             and now - self._changed_at >= _HOLD_S
             and (cap := self.capacity(self.level - 1)) is not None
             and cap >= _LOWER_HEADROOM * self._rate

@@ -182,6 +182,7 @@ class Gateway:
         try:
             await until_disconnect(request, self.admission.acquire(slots))
         except Overloaded:
+            self.brownout.refused()
             retry = str(self.settings.retry_after_s)
             raise self._refuse(
                 APIError(
