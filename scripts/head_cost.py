@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import server.engine.step as step  # noqa: E402
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig  # noqa: E402
+import server.engine.embedded.round as step  # noqa: E402
+from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig  # noqa: E402
 from server.engine.model_pair import suite_prompts  # noqa: E402
 from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions  # noqa: E402
 

@@ -1,5 +1,5 @@
-"""The draft-length policy (server/engine/draft_length.py) and its planner (draft_planner.py) on
-synthetic cost structures.
+"""The draft-length policy (server/engine/embedded/planner/draft_length.py) and its planner
+(draft_planner.py) on synthetic cost structures.
 
 Two cost structures bracket the hardware: `overhead_bound` (a forward costs about the same for 1
 or 9 tokens, the draft is cheap: small models, or GPUs at small batch) and `compute_bound` (cost
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.engine.cost_model import CostModel
-from server.engine.draft_length import (
+from server.engine.embedded.planner.cost_model import CostModel
+from server.engine.embedded.planner.draft_length import (
     EXPLORE_AFTER,
     AcceptanceCalibration,
     AcceptanceEstimate,
@@ -27,7 +27,7 @@ from server.engine.draft_length import (
     explore,
     goodput,
 )
-from server.engine.draft_planner import DraftPlanner
+from server.engine.embedded.planner.draft_planner import DraftPlanner
 
 MAX_N = 8
 
@@ -431,7 +431,7 @@ def test_moves_find_what_a_full_scan_finds():
     overheads, three cost structures) its plans are the full scan's."""
     import inspect
 
-    from server.engine import draft_length
+    from server.engine.embedded.planner import draft_length
 
     loop = "for n in sorted({*best, *([] if alone is None else [alone])}):"
     src = inspect.getsource(draft_length.choose)
@@ -463,7 +463,7 @@ def test_moves_find_what_a_full_scan_finds():
 def test_a_plain_step_of_the_same_rows_skips_the_search(monkeypatch):
     """Rows planned at n = 0 stay there without a search while nothing that could favour drafting
     has moved (the same rows, the same snapshot); a new row brings the search back."""
-    from server.engine import draft_planner
+    from server.engine.embedded.planner import draft_planner
 
     planner = DraftPlanner(compute_bound(), MAX_N)
     rows = [_row(lag=3) for _ in range(3)]

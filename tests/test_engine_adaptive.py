@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from server.engine.cost_model import CostModel
-from server.engine.draft_length import catch_up_bucket
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded.planner.cost_model import CostModel
+from server.engine.embedded.planner.draft_length import catch_up_bucket
 from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
 
 
@@ -178,8 +178,8 @@ def test_catch_up_near_the_context_end_stays_inside_the_draft_cache(tiny_pair):
     Each row's draft state must equal what it gets catching up alone."""
     import torch
 
-    from server.engine.row import Row
-    from server.engine.step import RoundBatch, _feed_pending
+    from server.engine.embedded.round import RoundBatch, _feed_pending
+    from server.engine.embedded.row import Row
 
     eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=2, max_context=40, num_draft=2))
     eng.start_sync()

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from server.engine.detokenize import IncrementalDetokenizer, StopStringFilter
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded.detokenize import IncrementalDetokenizer, StopStringFilter
+from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 from server.engine.protocol import (
     Engine,
     EngineError,

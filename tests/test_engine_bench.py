@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from server.cli import main
-from server.engine.bench.workload import request_lengths
+from server.engine.embedded.bench.workload import request_lengths
 
 
 def test_bench_engine_quick_writes_every_row(tiny_pair, tmp_path):
@@ -109,7 +109,7 @@ def test_bench_engine_device_mistakes_are_cli_errors(tiny_pair, capsys):
 
 
 def test_trials_start_at_different_rows_and_run_every_row_once():
-    from server.engine.bench.runner import _rotated
+    from server.engine.embedded.bench.runner import _rotated
 
     plan = list(range(7))
     orders = [_rotated(plan, k, 3) for k in range(3)]
@@ -121,8 +121,8 @@ def test_round_predictions_are_judged_over_every_trial_not_the_fastest():
     """The row keeps its fastest trial's speed, but the cost model's round-time error is pooled over
     all trials: the fastest trial is picked by its measured time, so on its own it reads a bias
     that is only the selection (here +33 % on the kept trial, +0 % over both)."""
-    from server.engine.bench.report import engine_row
-    from server.engine.bench.runner import Best
+    from server.engine.embedded.bench.report import engine_row
+    from server.engine.embedded.bench.runner import Best
 
     def timers(predicted: float, measured: float) -> dict:
         return {
@@ -151,10 +151,10 @@ def test_a_run_counts_every_round_it_predicted(tiny_pair, monkeypatch):
     import asyncio
     import time
 
-    from server.engine.bench.runner import tier_verification
-    from server.engine.bench.workload import engine_run
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from server.engine.round_timers import StepTimers
+    from server.engine.embedded.bench.runner import tier_verification
+    from server.engine.embedded.bench.workload import engine_run
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.embedded.timers import StepTimers
 
     record = StepTimers.record_prediction
 
@@ -175,14 +175,14 @@ def test_a_run_counts_every_round_it_predicted(tiny_pair, monkeypatch):
 
 
 def _row(n, rates):
-    from server.engine.bench.report import BenchRow
+    from server.engine.embedded.bench.report import BenchRow
 
     best = max(rates)
     return BenchRow("m", 1, 1, 1.0, best, tier="exact", fixed_n=n, trial_tokens_per_s=list(rates))
 
 
 def test_paired_ratio_is_the_median_of_same_trial_ratios():
-    from server.engine.bench.report import paired_ratio
+    from server.engine.embedded.bench.report import paired_ratio
 
     tier, ar = _row(None, [90, 120, 100]), _row(None, [100, 100, 110])
     assert paired_ratio(tier, ar) == pytest.approx(100 / 110)  # of 0.9, 1.2, 0.909
@@ -191,7 +191,7 @@ def test_paired_ratio_is_the_median_of_same_trial_ratios():
 
 
 def test_held_out_ratio_picks_n_on_the_other_trials():
-    from server.engine.bench.report import held_out_ratio
+    from server.engine.embedded.bench.report import held_out_ratio
 
     adaptive = _row(None, [100, 90, 110])
     fixed = [_row(2, [120, 80, 100]), _row(4, [100, 100, 100])]
@@ -209,7 +209,7 @@ def test_held_out_ratio_removes_the_max_over_rows_bias():
     Tolerances: the mean of 400 ratios with SD ~0.1 has an SE of ~0.005; allow 3 SE."""
     import numpy as np
 
-    from server.engine.bench.report import held_out_ratio
+    from server.engine.embedded.bench.report import held_out_ratio
 
     rng = np.random.default_rng(0)
     raw, held = [], []
@@ -225,7 +225,7 @@ def test_held_out_ratio_removes_the_max_over_rows_bias():
 def test_where_drafting_pays_counts_only_rows_that_draft():
     """The Qwen-shape bench once read its worst "measured / predicted where drafting pays" off lite,
     a row that decoded plainly (mean N 0) with a predicted 1.02 from noise: that is AR's path."""
-    from server.engine.bench.report import BenchRow, check_targets
+    from server.engine.embedded.bench.report import BenchRow, check_targets
 
     def row(method, tier, tps, mean_n=None, predicted=None, measured=None):
         return BenchRow(method, 1, 100, 1.0, tps, tier=tier, mean_n=mean_n, predicted_speedup=predicted,

@@ -28,8 +28,8 @@ import torch
 from scipy.stats import chi2
 from transformers import AutoModelForCausalLM
 
-from server.engine.draft_planner import DraftPlanner
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded.planner.draft_planner import DraftPlanner
 from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
 from verifier import logits_to_probs
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "embedded"

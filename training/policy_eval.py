@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from server.engine.embedded import EmbeddedEngine
+from server.engine.embedded.engine import EmbeddedEngine
 from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
 from training import tasks
 from training.rollout import BatchRun, generate_batch, rollout_engine, teacher_force

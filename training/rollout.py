@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from server.engine.llama import Transformer
+from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded.model.llama import Transformer
 from server.engine.protocol import GenerationRequest, SpecStats
 from verifier import ensemble_mix, logits_to_probs, tv_distance
 from verifier.head import position_stats
@@ -35,7 +35,7 @@ from verifier.head import position_stats
 def rollout_engine(cfg, head=None) -> EmbeddedEngine:
     """The embedded engine training and evaluation roll out with (`cfg`: TrainConfig or EvalConfig;
     a `dtype` field, when present, picks the model dtype: "auto" measures it, cached)."""
-    from server.engine.embedded import default_cache_dir
+    from server.engine.embedded.engine import default_cache_dir
 
     dtype = getattr(cfg, "dtype", None)
     return EmbeddedEngine(

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from server.engine.round_timers import StepTimers
-from server.engine.row import Row
-from server.engine.step import Models, RoundBatch, draft
+from server.engine.embedded.models import Models
+from server.engine.embedded.round import RoundBatch, draft
+from server.engine.embedded.row import Row
+from server.engine.embedded.timers import StepTimers
 
 
 @torch.inference_mode()

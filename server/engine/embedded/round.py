@@ -29,32 +29,15 @@ Terms
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from server.engine.kv_cache import KVCache
-from server.engine.llama import Transformer
-from server.engine.round_timers import StepTimers
-from server.engine.row import Row
+from server.engine.embedded.models import Models
+from server.engine.embedded.row import Row
+from server.engine.embedded.timers import StepTimers
 from verifier import PolicyBatch, PolicyKind, logits_to_probs, pick_tokens, tv_estimates, verify
 from verifier.head import position_stats, wants_states, wants_stats
-
-WeightHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class Models:
-    target: Transformer
-    draft: Transformer
-    target_cache: KVCache
-    draft_cache: KVCache
-    device: torch.device
-    head: WeightHead | None = None
-    num_threads: int | None = None  # intra-op threads for the thread running the model math
-    planner: object | None = None  # `draft_length.DraftPlanner`: cost model + acceptance estimates
-    first_token_from_prefill: bool = True  # `prefill.py`; see `EmbeddedEngineConfig`
 
 
 def _param(rows: list[Row], name: str, device, dtype=torch.float32):

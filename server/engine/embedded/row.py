@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.engine.detokenize import IncrementalDetokenizer, StopStringFilter
-from server.engine.draft_length import AcceptanceEstimate
+from server.engine.embedded.detokenize import IncrementalDetokenizer, StopStringFilter
+from server.engine.embedded.planner.draft_length import AcceptanceEstimate
 from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats, TokenTrace
 from verifier import Policy, PolicyKind
 
@@ -205,7 +205,7 @@ class Row:
                 source = "corrected" if k < n else "bonus"
             if not ensemble or source == "target":
                 weight = None
-            elif source == "bonus":  # from ν (step.bonus) with its w; w = 1 rows keep p = ν
+            elif source == "bonus":  # from ν (round.bonus) with its w; w = 1 rows keep p = ν
                 weight = float(weights[i]) if from_nu else self.weight
             else:
                 weight = float(weights[i])

@@ -36,7 +36,7 @@ the memory-bandwidth limit; the mean round time of every row predicted within 15
 
 from __future__ import annotations
 
-from server.engine.bench.report import BenchRow, check_targets, to_markdown
-from server.engine.bench.runner import TIERS, run_bench
+from server.engine.embedded.bench.report import BenchRow, check_targets, to_markdown
+from server.engine.embedded.bench.runner import TIERS, run_bench
 
 __all__ = ["TIERS", "BenchRow", "check_targets", "run_bench", "to_markdown"]

@@ -2,7 +2,7 @@
 
     prefill(models, rows)        one right-padded forward per model over the rows admitted together
     first_tokens(models, rows, h) the first token of each row from the target's state at its last
-                                 prompt position: a round with N = 0 (`step.py`) whose target
+                                 prompt position: a round with N = 0 (`round.py`) whose target
                                  forward was the prefill
 
 Sampling the first token from the prefill saves plain decoding's first step (a forward of its own
@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from server.engine.row import Row
-from server.engine.step import (
-    Models,
+from server.engine.embedded.models import Models
+from server.engine.embedded.round import (
     RoundBatch,
     Scores,
     advance,
@@ -25,6 +24,7 @@ from server.engine.step import (
     ensemble_weights,
     wants_q,
 )
+from server.engine.embedded.row import Row
 
 _PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward (bounds the [R, P, P] mask)
 

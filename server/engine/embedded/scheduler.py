@@ -5,7 +5,7 @@ Terms
     running   rows holding a slot and decoding; `load()['running']`.
     step      one pass of the loop: retire cancelled rows, admit waiting rows into free slots
               (prefilled together in one padded forward), then one round per draft-length group
-              (see `step.py`).
+              (see `round.py`).
               Rows join and leave only between steps, so a step's tensors never change shape.
 
 Draft length: before the rounds of a step, the draft-length planner (`draft_planner.py`) sets N
@@ -45,12 +45,13 @@ from collections.abc import Callable
 
 import torch
 
-from server.engine.draft_only import run_draft_only_round
-from server.engine.prefill import prefill
+from server.engine.embedded.draft_only import run_draft_only_round
+from server.engine.embedded.models import Models
+from server.engine.embedded.prefill import prefill
+from server.engine.embedded.round import run_round
+from server.engine.embedded.row import Row
+from server.engine.embedded.timers import StepTimers
 from server.engine.protocol import EngineError
-from server.engine.round_timers import StepTimers
-from server.engine.row import Row
-from server.engine.step import Models, run_round
 
 log = logging.getLogger("dialspec.engine")
 

@@ -27,7 +27,10 @@ from pathlib import Path
 
 import torch
 
-from server.engine.dtype_choice import DTYPES, choose_dtype
+from server.engine.embedded.dtype_choice import DTYPES, choose_dtype
+from server.engine.embedded.models import Models, WeightHead
+from server.engine.embedded.row import Row
+from server.engine.embedded.scheduler import Scheduler
 from server.engine.protocol import (
     EngineError,
     EngineInfo,
@@ -36,9 +39,6 @@ from server.engine.protocol import (
     SamplingOptions,
     check_sampling,
 )
-from server.engine.row import Row
-from server.engine.scheduler import Scheduler
-from server.engine.step import Models, WeightHead
 from verifier.dial import DEFAULT_AUTO_DIAL, DialError
 
 
@@ -110,7 +110,7 @@ class EmbeddedEngineConfig:
 
 
 def _num_params(path: Path) -> int:
-    from server.engine.llama import ModelArgs
+    from server.engine.embedded.model.llama import ModelArgs
 
     a = ModelArgs.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
     per_layer = a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
@@ -179,9 +179,9 @@ class EmbeddedEngine:
             return self._load_models(device, threads)
 
     def _load_models(self, device: torch.device, threads: int | None) -> Models:
-        from server.engine.cost_profile import load_or_profile
-        from server.engine.draft_planner import DraftPlanner
-        from server.engine.llama import load_model
+        from server.engine.embedded.model.llama import load_model
+        from server.engine.embedded.planner.cost_profile import load_or_profile
+        from server.engine.embedded.planner.draft_planner import DraftPlanner
 
         c = self.config
         cache_dir = Path(c.cache_dir) if c.cache_dir is not None else None
@@ -265,7 +265,7 @@ class EmbeddedEngine:
         """Keep what the rounds taught the cost model for the next start (when caching)."""
         if self.config.cache_dir is None or sched.models.planner is None:
             return
-        from server.engine.cost_profile import cache_key, cache_path, save
+        from server.engine.embedded.planner.cost_profile import cache_key, cache_path, save
 
         save(sched.models.planner.cost, cache_path(Path(self.config.cache_dir), cache_key(sched.models)))
 

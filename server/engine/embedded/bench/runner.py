@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from server.engine.bench.hf_baselines import hf_run
-from server.engine.bench.report import BenchRow, check_targets, engine_row
-from server.engine.bench.workload import bench_prompts, engine_run, request_lengths
+from server.engine.embedded.bench.hf_baselines import hf_run
+from server.engine.embedded.bench.report import BenchRow, check_targets, engine_row
+from server.engine.embedded.bench.workload import bench_prompts, engine_run, request_lengths
 
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_assisted_w0.5")
 # Engine AR on HF generate's workload, every request at max_tokens: `generate` runs a batch to its
@@ -216,8 +216,8 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from server.engine.cost_profile import device_name
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.embedded.planner.cost_profile import device_name
 
     cfg = BenchConfig(str(target_path), str(draft_path), **options)
     t_start = time.perf_counter()

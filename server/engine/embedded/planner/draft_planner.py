@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Sequence
 
-from server.engine.draft_length import (
+from server.engine.embedded.planner.draft_length import (
     EXPLORE_AFTER,
     MARGIN,
     AcceptanceCalibration,

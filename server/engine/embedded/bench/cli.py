@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from server.cli_errors import CLIError
-from server.engine.bench.report import to_markdown
-from server.engine.bench.runner import TIERS, run_bench
+from server.engine.embedded.bench.report import to_markdown
+from server.engine.embedded.bench.runner import TIERS, run_bench
 
 
 def _bench_subparsers(subparsers):
@@ -119,7 +119,7 @@ def _validate(args) -> tuple[tuple[int, ...], tuple[str, ...], str, str]:
     target, draft = args.target, args.draft
     if target is None:
         try:
-            from server.engine.embedded import default_pair_paths
+            from server.engine.embedded.engine import default_pair_paths
 
             target, draft, _ = default_pair_paths()
         except Exception as exc:  # module missing or pair not downloaded/trained yet

@@ -89,7 +89,7 @@ def log_grid(seconds: float) -> float:
 def catch_up_size(lags: Sequence[int]) -> int:
     """M, the tokens of the catch-up forward a drafting round runs for rows whose draft is `lag` > 2
     tokens behind: one right-padded forward over all but each row's last pending token
-    (`step._feed_pending`), so M = (rows behind) × (longest lag − 1); 0 if none is."""
+    (`round._feed_pending`), so M = (rows behind) × (longest lag − 1); 0 if none is."""
     behind = [lag for lag in lags if lag > 2]
     return len(behind) * (max(behind) - 1) if behind else 0
 
