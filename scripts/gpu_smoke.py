@@ -57,7 +57,8 @@ def _prompt_ids(tok, n: int) -> list[list[int]]:
 def _greedy_outputs(device: str, dtype: str, mode: str, prompts: list[list[int]]) -> list[list[int]]:
     """Token ids per prompt, every request submitted at once."""
     from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
-    from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
+    from server.engine.protocol import GenerationRequest, SamplingOptions
+    from verifier.dial import Verification
 
     engine = EmbeddedEngine(
         EmbeddedEngineConfig(device=device, dtype=dtype, max_batch=len(prompts), max_context=512)
@@ -83,7 +84,7 @@ def _greedy_outputs(device: str, dtype: str, mode: str, prompts: list[list[int]]
         for i, ids in enumerate(prompts):
             req = GenerationRequest(
                 f"g{i}", tuple(ids), SamplingOptions(temperature=0.0, max_tokens=MAX_TOKENS),
-                VerifyOptions(mode=mode, weight=1.0),
+                Verification(mode=mode, weight=1.0),
             )  # fmt: skip
             engine.submit(req, sink_for(i))
         for _ in prompts:

@@ -66,8 +66,9 @@ def test_row_labels_drafts_corrections_and_bonus(tokenizer):
     ]
     assert [t.source for t in second] == ["draft"] * 4 + ["bonus"]
     assert [t.weight for t in second] == [0.5, 0.6, 0.7, 0.8, 0.9]  # the bonus step's w (round.bonus)
-    _round(row, ids[8:13], 4, [0.5] * 4)  # no bonus step (ν = p for it): its w is the row's
-    assert row.weight == 0.5 and chunks[-1].provenance[-1].weight == 0.5
+    # no bonus step (an adaptive row's default): the bonus was drawn from p, the law of w = 1
+    _round(row, ids[8:13], 4, [0.5] * 4)
+    assert row.weight == 0.5 and chunks[-1].provenance[-1].weight == 1.0
     for chunk in chunks:  # per-token text pieces add up to the chunk's text
         assert "".join(t.text for t in chunk.provenance) == chunk.text
         assert len(chunk.provenance) == len(chunk.token_ids)

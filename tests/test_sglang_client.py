@@ -16,7 +16,7 @@ from server.engine.protocol import (
     GenerationRequest,
     ReportsReadiness,
     SamplingOptions,
-    VerifyOptions,
+    Verification,
     engine_readiness,
 )
 from server.engine.sglang.client import SGLangEngine, sampling_params_for, stats_from_meta
@@ -51,7 +51,7 @@ def _request(max_tokens=64, weight=0.4, **kw) -> GenerationRequest:
         request_id="req-1",
         prompt_token_ids=(1, 2, 3),
         sampling=SamplingOptions(max_tokens=max_tokens, temperature=0.7, top_k=0, seed=11, stop=("\n\n",)),
-        verify=VerifyOptions(weight=weight, **kw),
+        verify=Verification(weight=weight, **kw),
     )
 
 

@@ -103,8 +103,8 @@ def generate_batch(engine: EmbeddedEngine, requests: list[GenerationRequest]) ->
     with cv:
         while remaining[0] > 0:
             cv.wait(timeout=1.0)
-            if engine.scheduler is not None and engine.scheduler.error is not None and not errors:
-                errors.append(engine.scheduler.error)
+            if engine.scheduler is not None and engine.scheduler.fault is not None and not errors:
+                errors.append(engine.scheduler.fault)
             if errors:
                 raise RuntimeError(f"engine failed during a batch run: {errors[0]!r}") from errors[0]
     return BatchRun(rollouts, time.perf_counter() - start)

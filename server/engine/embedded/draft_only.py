@@ -17,7 +17,7 @@ Tokens are ν's exactly: x_i ~ q(· | prefix) is the ensemble's law at w = 0, po
 n (`DraftPlanner.assign`) is the engine's max draft length capped by the tokens the request has
 left: more tokens per round spread the round's fixed costs, while the round stays as long as a
 speculative one. The target cache is never filled (`Row.tlen` stays 0), so only rows that can
-never need the target run here (`Row.draft_only`: static w = 0, ensemble, not pinned to an N).
+never need the target run here (`RowMode.draft_only`: static w = 0, ensemble, not pinned to an N).
 """
 
 from __future__ import annotations

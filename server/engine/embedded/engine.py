@@ -10,7 +10,7 @@ Terms
     max_context prompt + completion tokens a request may use; requests that cannot fit are
                 rejected before the first chunk (EngineError 'invalid_request').
     head        optional learned weight head, `head(h_draft [R,N,Hd], h_target [R,N,Ht], dial [R])
-                -> w [R,N]` in [0,1]; used by requests with a `VerifyOptions.dial`.
+                -> w [R,N]` in [0,1]; used by requests with a `Verification.dial`.
 The model math runs on a scheduler thread (see `scheduler.py`); chunks cross to the caller's event
 loop through an `asyncio.Queue`.
 """
@@ -29,7 +29,7 @@ import torch
 
 from server.engine.embedded.dtype_choice import DTYPES, choose_dtype
 from server.engine.embedded.models import Models, WeightHead
-from server.engine.embedded.row import Row
+from server.engine.embedded.row import Row, RowMode
 from server.engine.embedded.scheduler import Scheduler
 from server.engine.protocol import (
     EngineError,
@@ -73,10 +73,11 @@ class EmbeddedEngineConfig:
     served_name: str | None = None  # default: the target directory's name
     head: WeightHead | str | Path | None = None  # a callable, or a directory saved by head_store
     max_num_draft: int = 8  # largest N, per request or adaptive (cache slack is sized by it)
-    # Adaptive rows with w < 1 in rounds where the planner drafts nothing: True draws their token
-    # from p (what the target gives, at the cost of plain decoding), False from ν, which needs a
-    # draft step per token: exactly ν everywhere, but such a tier is then slower than plain
-    # decoding wherever drafting cannot pay (docs/algorithm.md, "Rounds without drafts").
+    # Adaptive rows with w < 1, at the tokens no draft proposed (an N = 0 round's token, the bonus
+    # after N accepted drafts, the first token): True draws them from p (free, and the higher-
+    # quality law), False from ν, which costs a draft step each: exactly ν everywhere
+    # (`--strict-nu`), but a lower quality can then be slower than a higher one, and a tier
+    # slower than plain decoding (row.RowMode.draws_nu; docs/algorithm.md, "Rounds without drafts").
     p_when_undrafted: bool = True
     # Each request's first token from its prompt prefill's last position (an N = 0 round: from p,
     # or from ν for rows that draw from ν there), saving a target forward per request. False: the
@@ -84,7 +85,7 @@ class EmbeddedEngineConfig:
     # the request's own rule — what `dialspec eval` and training compare methods on (a baseline
     # policy has no rule without a draft and would get p's token at position 1 for free).
     first_token_from_prefill: bool = True
-    profile_budget_s: float = 3.0  # the start-up cost profile's time budget (cost_model.py)
+    profile_budget_s: float = 3.0  # the start-up cost profile's time budget (planner/cost_profile.py)
     cache_dir: str | Path | None = None  # cost models and dtype choices; None = not cached
     max_waiting: int = 256  # queue bound; beyond it requests get EngineError 'capacity'
     # Intra-op CPU threads of the scheduler thread (OpenMP settings are per thread, so callers'
@@ -209,7 +210,7 @@ class EmbeddedEngine:
         models.planner = DraftPlanner(cost, c.max_num_draft, max_batch=c.max_batch)
         self.info.runtime.update(dtype=str(c.dtype).removeprefix("torch."), device=str(device))
         self.info.runtime["draft_length"] = "adaptive" if c.num_draft is None else c.num_draft
-        # Where adaptive w < 1 rows draw from when no drafts pay: "p" (default) or "nu" (--strict-nu).
+        # Where adaptive w < 1 rows draw the tokens no draft proposed: "p" (default) or "nu" (--strict-nu).
         self.info.runtime["undrafted_rounds_draw_from"] = "p" if c.p_when_undrafted else "nu"
         # Static w = 0 (ν = q) on adaptive rows decodes from the draft alone (draft_only.py).
         self.info.runtime["quality_zero"] = "draft only" if c.num_draft is None else "speculative"
@@ -356,16 +357,15 @@ class EmbeddedEngine:
         fixed = 0 if v.mode == "autoregressive" else (v.num_draft or c.num_draft)
         try:
             request = replace(request, sampling=s)
-            adaptive = fixed is None
             # Quality 0 may skip the target unless a benchmark pins every row's N (planner.force).
             planner = self.scheduler.models.planner if self.scheduler is not None else None
             pinned_top = bool(getattr(getattr(self.head, "config", None), "exact_at_full_dial", False))
-            return Row(
-                request, sink, fixed or 0, self.tokenizer, self.eos_ids, adaptive=adaptive,
-                p_when_undrafted=adaptive and c.p_when_undrafted,
-                allow_draft_only=adaptive and planner is not None and planner.force is None,
+            mode = RowMode.of(
+                v, fixed, strict_nu=not c.p_when_undrafted,
+                allow_draft_only=planner is not None and planner.force is None,
                 head_exact_at_top=pinned_top,
             )  # fmt: skip
+            return Row(request, sink, fixed or 0, self.tokenizer, self.eos_ids, mode)
         except ValueError as exc:  # e.g. Policy parameter ranges
             raise EngineError(str(exc), "invalid_request") from exc
 

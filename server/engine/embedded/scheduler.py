@@ -71,11 +71,6 @@ class Scheduler:
         self.fault: BaseException | None = None  # unrecoverable: set once, the loop has stopped
         self.faults = 0  # requests failed by an isolated fault (the engine went on)
 
-    @property
-    def error(self) -> BaseException | None:
-        """Alias of `fault` for callers that poll for an engine failure."""
-        return self.fault
-
     # -- thread-safe API -------------------------------------------------------------------
     def submit(self, row: Row) -> None:
         with self._cv:
@@ -184,7 +179,7 @@ class Scheduler:
                 planner.assign(live)
         groups: dict[tuple[bool, int], list[Row]] = {}
         for row in live:
-            groups.setdefault((row.draft_only, row.num_draft), []).append(row)
+            groups.setdefault((row.mode.draft_only, row.num_draft), []).append(row)
         rounds_s = 0.0
         for (_, n), rows in sorted(groups.items()):
             seconds = self._round(rows, n, planner.predict(rows, n) if planner is not None else None)
@@ -299,5 +294,5 @@ class Scheduler:
 
 def _run(models: Models, rows: list[Row], n: int, timers: StepTimers) -> float:
     """One round of a group: the draft alone for quality-0 rows (`draft_only.py`), else speculative."""
-    runner = run_draft_only_round if rows[0].draft_only else run_round
+    runner = run_draft_only_round if rows[0].mode.draft_only else run_round
     return runner(models, rows, n, timers)

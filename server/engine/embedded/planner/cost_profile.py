@@ -108,7 +108,9 @@ class _Stages:
         starts = torch.full((r,), self.ctx, dtype=torch.long, device=self.dev)  # [R]
         return logits_to_probs(model.logits(model(tokens, slots, starts, cache, True)))  # [R, T, V]
 
-    def run(self, kind: str, r: int, t: int) -> None:
+    def run(self, kind: str, r: int, t: int) -> float | None:
+        """Run one stage; the seconds of its timed part where it times itself (`first_draft`,
+        `check`: the set-up around them is not the stage), else None (the caller times it)."""
         from verifier import sample_inverse_cdf, verify
 
         m = self.m
