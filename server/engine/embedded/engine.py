@@ -86,6 +86,10 @@ class EmbeddedEngineConfig:
     # policy has no rule without a draft and would get p's token at position 1 for free).
     first_token_from_prefill: bool = True
     profile_budget_s: float = 3.0  # the start-up cost profile's time budget (planner/cost_profile.py)
+    # Benchmarks only: accept each draft with probability 1 − w·forced_tv instead of the verifier's
+    # verdict (every forward, check and bonus step still runs; `round.force_acceptance`), so random-
+    # weight pairs of real shapes run at a real pair's acceptance. Output follows no law. None: off.
+    forced_tv: float | None = None
     cache_dir: str | Path | None = None  # cost models and dtype choices; None = not cached
     max_waiting: int = 256  # queue bound; beyond it requests get EngineError 'capacity'
     # Intra-op CPU threads of the scheduler thread (OpenMP settings are per thread, so callers'
@@ -107,6 +111,8 @@ class EmbeddedEngineConfig:
             self.dtype = DTYPES[self.dtype]
         if self.dtype is None:
             self.dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        if self.forced_tv is not None and not 0.0 <= self.forced_tv <= 1.0:
+            raise ValueError(f"forced_tv must lie in [0, 1], got {self.forced_tv}")
         return self
 
 
@@ -205,11 +211,14 @@ class EmbeddedEngine:
             head=self.head.to(device).eval() if isinstance(self.head, torch.nn.Module) else self.head,
             num_threads=threads,
             first_token_from_prefill=c.first_token_from_prefill,
+            forced_tv=c.forced_tv,
         )
         cost = load_or_profile(models, c.max_batch, c.max_num_draft, c.profile_budget_s, cache_dir)
         models.planner = DraftPlanner(cost, c.max_num_draft, max_batch=c.max_batch)
         self.info.runtime.update(dtype=str(c.dtype).removeprefix("torch."), device=str(device))
         self.info.runtime["draft_length"] = "adaptive" if c.num_draft is None else c.num_draft
+        if c.forced_tv is not None:  # a bench's timing engine: its output follows no law
+            self.info.runtime["forced_tv"] = c.forced_tv
         # Where adaptive w < 1 rows draw the tokens no draft proposed: "p" (default) or "nu" (--strict-nu).
         self.info.runtime["undrafted_rounds_draw_from"] = "p" if c.p_when_undrafted else "nu"
         # Static w = 0 (ν = q) on adaptive rows decodes from the draft alone (draft_only.py).

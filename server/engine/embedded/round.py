@@ -276,6 +276,36 @@ def check(b: RoundBatch, d: Drafts, s: Scores, weights) -> Outcome:
     return out
 
 
+def force_acceptance(b: RoundBatch, d: Drafts, s: Scores, out: Outcome, weights: list, tv: float) -> None:
+    """The bench's forced acceptance (`EmbeddedEngineConfig.forced_tv`): the round's verdict,
+    computed for real, is replaced by accepting draft i with probability 1 − w_i·TV (w = 1 for
+    baseline policies) on the row's own verify coins; the token after the last accepted draft is
+    drawn from p there. Random-weight pairs accept almost nothing, so the planner decodes plainly
+    and the tiers' order at a real pair's acceptance (TV 0.1-0.3 for same-family pairs) stays
+    hidden; with this every forward, the check and the bonus step still run at real size. The
+    tokens follow neither p nor ν: for timing only, never for serving."""
+    n = b.n
+    if not n:
+        return
+    coins = b.u_verify[:, :n].tolist()  # [R][N]
+    drafted = d.tokens.tolist()  # [R][N]
+    ks, accept = [], []
+    for row, u, w in zip(b.rows, coins, weights, strict=True):
+        scale = 1.0 if row.policy.kind != PolicyKind.ENSEMBLE else None
+        probs = [1.0 - (w[i] if scale is None else scale) * tv for i in range(n)]
+        ks.append(next((i for i in range(n) if u[i] >= probs[i]), n))
+        accept.append(probs)
+    at = b.column(ks)  # [R]
+    p = s.probs[torch.arange(b.size, device=b.device), at]  # [R, V] p after the accepted drafts
+    last = pick_tokens(p, b.greedy, b.u_verify[:, n]).tolist()  # [R]
+    for i, (row, k) in enumerate(zip(b.rows, ks, strict=True)):
+        tested = min(k + 1, n)
+        out.num_accepted[i] = k
+        out.tokens[i] = drafted[i][:k] + [last[i]] + [-1] * (n - k)
+        out.accept_probs[i] = accept[i][:tested]
+        out.tv[i] = [] if row.greedy else [tv] * tested
+
+
 def bonus(models: Models, b: RoundBatch, d: Drafts, s: Scores, out: Outcome) -> None:
     """Rows that draw from ν where no draft proposed (`RowMode.draws_nu`) and accepted all N drafts
     (every such row at N = 0) redraw their last token from ν at position N+1 with the same coin:
@@ -340,6 +370,8 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> fl
         with timers.phase("verify_call", dev):
             weights, per_position = ensemble_weights(models, batch, drafts, scores)
             out = check(batch, drafts, scores, weights)
+            if models.forced_tv is not None:
+                force_acceptance(batch, drafts, scores, out, per_position, models.forced_tv)
         if any(row.mode.draws_nu for row in rows):
             with timers.phase("bonus", dev, count=0):
                 bonus(models, batch, drafts, scores, out)

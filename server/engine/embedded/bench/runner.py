@@ -53,6 +53,7 @@ class BenchConfig:
     max_seconds: float | None = None
     profile_budget_s: float = 3.0
     cache_dir: str | None = None  # cost models / dtype choices (None: measured afresh)
+    forced_tv: float | None = None  # accept drafts with probability 1 − w·TV (`EmbeddedEngineConfig`)
 
     def waves_at(self, c: int) -> int:
         """Passes over the prompt list at concurrency c. One per c lets high-c rows run as many
@@ -236,6 +237,7 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
             max_batch=max(cfg.concurrency),
             max_context=max(len(p) for p in prompt_ids) + max_len + 8, device=cfg.device,
             dtype=cfg.dtype, profile_budget_s=cfg.profile_budget_s, cache_dir=cfg.cache_dir,
+            forced_tv=cfg.forced_tv,
         )
     )  # fmt: skip
     engine.start_sync()
