@@ -291,8 +291,8 @@ def force_acceptance(b: RoundBatch, d: Drafts, s: Scores, out: Outcome, weights:
     drafted = d.tokens.tolist()  # [R][N]
     ks, accept = [], []
     for row, u, w in zip(b.rows, coins, weights, strict=True):
-        scale = 1.0 if row.policy.kind != PolicyKind.ENSEMBLE else None
-        probs = [1.0 - (w[i] if scale is None else scale) * tv for i in range(n)]
+        ensemble = row.policy.kind == PolicyKind.ENSEMBLE
+        probs = [1.0 - (w[i] if ensemble else 1.0) * tv for i in range(n)]
         ks.append(next((i for i in range(n) if u[i] >= probs[i]), n))
         accept.append(probs)
     at = b.column(ks)  # [R]
