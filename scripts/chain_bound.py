@@ -43,7 +43,7 @@ def load_pair(pair: Path):
     """(tokenizer, target, draft) of a dialspec pair directory, loaded once per run."""
     from transformers import AutoTokenizer
 
-    from server.engine.llama import load_model
+    from server.engine.embedded.model.llama import load_model
 
     return (
         AutoTokenizer.from_pretrained(pair / "target"),

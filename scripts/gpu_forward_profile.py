@@ -62,7 +62,7 @@ def _time_forward(model, cache, r: int, t: int, dev) -> dict:
 def main() -> int:
     import torch
 
-    from server.engine.llama import load_model
+    from server.engine.embedded.model.llama import load_model
     from training.synth_pair import write_pair
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -18,8 +18,8 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from server.engine.bench import run_bench
-    from server.engine.embedded import default_pair_paths
+    from server.engine.embedded.bench import run_bench
+    from server.engine.embedded.engine import default_pair_paths
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiers", default="exact,standard")

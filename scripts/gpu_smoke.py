@@ -56,8 +56,9 @@ def _prompt_ids(tok, n: int) -> list[list[int]]:
 
 def _greedy_outputs(device: str, dtype: str, mode: str, prompts: list[list[int]]) -> list[list[int]]:
     """Token ids per prompt, every request submitted at once."""
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.protocol import GenerationRequest, SamplingOptions
+    from verifier.dial import Verification
 
     engine = EmbeddedEngine(
         EmbeddedEngineConfig(device=device, dtype=dtype, max_batch=len(prompts), max_context=512)
@@ -83,7 +84,7 @@ def _greedy_outputs(device: str, dtype: str, mode: str, prompts: list[list[int]]
         for i, ids in enumerate(prompts):
             req = GenerationRequest(
                 f"g{i}", tuple(ids), SamplingOptions(temperature=0.0, max_tokens=MAX_TOKENS),
-                VerifyOptions(mode=mode, weight=1.0),
+                Verification(mode=mode, weight=1.0),
             )  # fmt: skip
             engine.submit(req, sink_for(i))
         for _ in prompts:
@@ -108,8 +109,8 @@ def engine_main(out: Path, waves: int, trials: int) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from server.engine.bench import run_bench, to_markdown
-    from server.engine.embedded import default_pair_paths
+    from server.engine.embedded.bench import run_bench, to_markdown
+    from server.engine.embedded.engine import default_pair_paths
 
     if not torch.cuda.is_available():
         print("gpu_smoke: torch sees no CUDA device", file=sys.stderr)
@@ -235,8 +236,8 @@ def bench_main(out: Path, pairs: list[str], work: Path) -> int:
     import torch
     from rich.progress import Progress
 
-    from server.engine.bench import run_bench, to_markdown
-    from server.engine.embedded import default_pair_paths
+    from server.engine.embedded.bench import run_bench, to_markdown
+    from server.engine.embedded.engine import default_pair_paths
     from training.synth_pair import write_pair
 
     if not torch.cuda.is_available():

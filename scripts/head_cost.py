@@ -20,10 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import server.engine.step as step  # noqa: E402
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig  # noqa: E402
+import server.engine.embedded.round as step  # noqa: E402
+from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig  # noqa: E402
 from server.engine.model_pair import suite_prompts  # noqa: E402
-from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions  # noqa: E402
+from server.engine.protocol import GenerationRequest, SamplingOptions  # noqa: E402
+from verifier.dial import Verification  # noqa: E402
 
 
 class _Clock:
@@ -64,7 +65,7 @@ async def _run(engine: EmbeddedEngine, prompts: list[str], tokens: int, dial: fl
             request_id=f"h{i}",
             prompt_token_ids=tuple(engine.encode_prompt(text)),
             sampling=SamplingOptions(max_tokens=tokens, temperature=1.0, seed=i, ignore_eos=True),
-            verify=VerifyOptions(dial=dial),
+            verify=Verification(dial=dial),
         )
         async for _ in engine.generate(req):
             pass

@@ -17,7 +17,7 @@ from server.cli_errors import CLIError
 
 # Modules that provide subcommands.
 SUBCOMMAND_MODULES: list[str] = [
-    "server.engine.bench.cli",
+    "server.engine.embedded.bench.cli",
     "server.gateway.serve",
     "loadtest.cli",
     "training.commands",

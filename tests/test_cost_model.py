@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from server.engine.cost_model import CostModel
-from server.engine.cost_profile import cache_key, cache_path, load_or_profile, profile
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded.planner.cost_model import CostModel
+from server.engine.embedded.planner.cost_profile import cache_key, cache_path, load_or_profile, profile
 
 
 def test_round_time_composes_the_stages():
@@ -249,7 +249,7 @@ def test_profile_measures_the_stages_within_its_budget(models):
 def test_first_call_costs_do_not_eat_the_profile_budget(models, monkeypatch):
     """A real-size model's first forward (first touch of its weights) can take longer than the
     whole budget; it runs before the clock, so the budget still buys the T = N_max + 1 point."""
-    from server.engine import cost_profile
+    from server.engine.embedded.planner import cost_profile
 
     real_run = cost_profile._Stages.run
     first = {"done": False}
@@ -282,6 +282,40 @@ def test_cache_is_keyed_by_shape_device_dtype_and_code(models, tmp_path):
     key = cache_key(models)
     assert cache_path(tmp_path, key | {"dtype": "torch.bfloat16"}) != path
     assert cache_path(tmp_path, key | {"code": "edited"}) != path  # timings of other engine code
+
+
+def test_the_code_digest_covers_the_engine_rooms_and_the_verifier(tmp_path):
+    """Cached timings are invalidated by an edit to any source a round runs: the embedded engine's
+    round, model and planner (in their sub-packages since the engine split into rooms) and the
+    verifier. The bench and the SGLang client only read or bypass the engine: edits there keep
+    the cache."""
+    import shutil
+
+    from server.engine.embedded.planner.cost_profile import ROOT, code_digest, timed_sources
+
+    names = {f.relative_to(ROOT).as_posix() for f in timed_sources()}
+    assert {
+        "server/engine/embedded/round.py",
+        "server/engine/embedded/model/llama.py",
+        "server/engine/embedded/planner/cost_model.py",
+        "verifier/chain.py",
+        "verifier/policies.py",
+    } <= names
+    assert not any("/bench/" in n or "/sglang/" in n for n in names)
+    # an edit in a copy of the tree moves its digest; one in the bench does not
+    for part in ("server/engine/embedded", "verifier"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    before = code_digest(tmp_path)
+    assert before == code_digest.__wrapped__(ROOT)  # the copy reads as the tree it came from
+    for edited in ("server/engine/embedded/model/llama.py", "verifier/chain.py"):
+        with (tmp_path / edited).open("a") as f:
+            f.write("# edited\n")
+        after = code_digest.__wrapped__(tmp_path)
+        assert after != before, edited
+        before = after
+    with (tmp_path / "server/engine/embedded/bench/report.py").open("a") as f:
+        f.write("# edited\n")
+    assert code_digest.__wrapped__(tmp_path) == before
 
 
 def test_a_cached_model_is_rescaled_to_this_hosts_speed(models, tmp_path):

@@ -1,4 +1,4 @@
-"""`--dtype auto` on CPU (server/engine/dtype_choice.py): a probe that a burst of host load cannot
+"""`--dtype auto` on CPU (server/engine/embedded/dtype_choice.py): a probe that a burst of host load cannot
 tip, and a cache that never outlives the code it was measured with."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine import cost_profile, dtype_choice
+from server.engine.embedded import dtype_choice
+from server.engine.embedded.planner import cost_profile
 
 
 def test_a_burst_of_load_during_one_candidate_does_not_decide(tiny_pair, monkeypatch):

@@ -12,10 +12,12 @@ import time
 
 import pytest
 
-from server.engine.cost_model import CostModel
-from server.engine.draft_length import catch_up_bucket
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
+from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded.planner.cost_model import CostModel
+from server.engine.embedded.planner.draft_length import catch_up_bucket
+from server.engine.embedded.row import RowMode
+from server.engine.protocol import GenerationRequest, SamplingOptions
+from verifier.dial import Verification
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def _run(engine, weight=1.0, num_draft=None, seed=0, n=4, max_tokens=24):
     async def one(i):
         req = GenerationRequest(
             f"r{i}", ids, SamplingOptions(max_tokens=max_tokens, seed=seed + i, ignore_eos=True),
-            VerifyOptions(weight=weight, num_draft=num_draft),
+            Verification(weight=weight, num_draft=num_draft),
         )  # fmt: skip
         return [c async for c in engine.generate(req)][-1].stats
 
@@ -110,7 +112,7 @@ def test_quality_zero_decodes_from_the_draft_alone(engine):
 
 
 class _Row:
-    draft_only = True
+    mode = RowMode(adaptive=True, draft_only=True)
 
 
 def test_a_pinned_n_keeps_quality_zero_speculative(engine):
@@ -178,8 +180,8 @@ def test_catch_up_near_the_context_end_stays_inside_the_draft_cache(tiny_pair):
     Each row's draft state must equal what it gets catching up alone."""
     import torch
 
-    from server.engine.row import Row
-    from server.engine.step import RoundBatch, _feed_pending
+    from server.engine.embedded.round import RoundBatch, _feed_pending
+    from server.engine.embedded.row import Row
 
     eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=2, max_context=40, num_draft=2))
     eng.start_sync()
@@ -189,7 +191,7 @@ def test_catch_up_near_the_context_end_stays_inside_the_draft_cache(tiny_pair):
 
         def row(slot, length, dlen):
             req = GenerationRequest(f"r{slot}", tuple(range(5, 5 + length)), SamplingOptions(max_tokens=1),
-                                    VerifyOptions(weight=0.5))  # fmt: skip
+                                    Verification(weight=0.5))  # fmt: skip
             r = Row(req, lambda _c: None, 2, eng.tokenizer, frozenset())
             r.slot, r.dlen, r.tlen = slot, dlen, length - 1
             return r

@@ -7,14 +7,14 @@ import asyncio
 import pytest
 import torch
 
-from server.engine.detokenize import IncrementalDetokenizer, StopStringFilter
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded.detokenize import IncrementalDetokenizer, StopStringFilter
+from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 from server.engine.protocol import (
     Engine,
     EngineError,
     GenerationRequest,
     SamplingOptions,
-    VerifyOptions,
+    Verification,
 )
 from verifier.dial import PolicyKind
 
@@ -35,7 +35,7 @@ def engine(tiny_pair):
 
 
 def _req(engine, text, i=0, **kw):
-    verify = VerifyOptions(**{k: kw.pop(k) for k in list(kw) if k in VerifyOptions.__dataclass_fields__})
+    verify = Verification(**{k: kw.pop(k) for k in list(kw) if k in Verification.__dataclass_fields__})
     kw.setdefault("max_tokens", 24)
     kw.setdefault("seed", i)
     ids = tuple(engine.encode_chat([{"role": "user", "content": text}]))
@@ -239,8 +239,8 @@ def test_a_head_pinned_at_the_top_of_the_dial_serves_d_1_as_sd_without_bonus_dra
         sd = _req(eng, "hello there", 7, weight=1.0, num_draft=3)
         top = _req(eng, "hello there", 7, weight=1.0, dial=1.0, num_draft=3)
         below = _req(eng, "hello there", 7, weight=0.9, dial=0.9, num_draft=3)
-        assert not eng.make_row(top, lambda item: None).needs_q
-        assert eng.make_row(below, lambda item: None).needs_q
+        assert not eng.make_row(top, lambda item: None).mode.needs_q
+        assert eng.make_row(below, lambda item: None).mode.needs_q
         timers = eng.scheduler.timers
         timers.reset()
         calls = []

@@ -12,8 +12,8 @@ any schedule that looks only at the past must leave the law unchanged).
 Tolerance (derived, not tuned): Pearson chi-square over cells with expected count >= 5 (the rest
 pooled into one cell), rejected only above the chi-square quantile at 1 − 1e-4 for its degrees of
 freedom. Seeds are fixed, so the test is deterministic; a correct sampler fails with probability
-1e-4 per case over seed choices, while a wrong law (the bonus drawn from p when w < 1, or
-acceptance against p) shifts a position's law by (1−w)·TV(p, q) and the power checks show the
+1e-4 per case over seed choices, while a wrong law (under strict ν the bonus drawn from p when
+w < 1, or acceptance against p) shifts a position's law by (1−w)·TV(p, q) and the power checks show the
 statistic then exceeds its limit.
 """
 
@@ -28,10 +28,11 @@ import torch
 from scipy.stats import chi2
 from transformers import AutoModelForCausalLM
 
-from server.engine.draft_planner import DraftPlanner
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
+from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded.planner.draft_planner import DraftPlanner
+from server.engine.protocol import GenerationRequest, SamplingOptions
 from verifier import logits_to_probs
+from verifier.dial import Verification
 
 SAMPLES = 1000
 TEMPERATURE = 0.8  # != 1 and top-k on, so the shared transform is exercised too
@@ -45,7 +46,7 @@ class RandomLengths(DraftPlanner):
 
     def assign(self, rows) -> None:
         for row in rows:
-            if row.adaptive:
+            if row.mode.adaptive:
                 row.num_draft = self.rng.randrange(0, 5)
 
 
@@ -71,14 +72,15 @@ def _next_probs(model, ids):
     return logits_to_probs(logits.unsqueeze(0), TEMPERATURE, TOP_K)[0].double()  # [V]
 
 
-def _marginals(hf_pair, prompt, weight, length, last_from_p=False):
+def _marginals(hf_pair, prompt, weight, length, last_from_p=False, from_p=()):
     """Exact law of each of the first `length` tokens under ν (optionally p at the last one:
-    the old bonus shortcut's law there, for the power check)."""
+    the old bonus shortcut's law there, for the power check; and at the positions `from_p`)."""
     target, draft = hf_pair
+    from_p = {*from_p, length - 1} if last_from_p else set(from_p)
 
-    def law(ids, last):
+    def law(ids, pos):
         p = _next_probs(target, ids)
-        if last and last_from_p:
+        if pos in from_p:
             return p
         return weight * p + (1 - weight) * _next_probs(draft, ids)  # [V]
 
@@ -89,7 +91,7 @@ def _marginals(hf_pair, prompt, weight, length, last_from_p=False):
         marginal = None
         nxt: dict = {}
         for prefix, mass in frontier.items():
-            nu = law([*prompt, *prefix], last)
+            nu = law([*prompt, *prefix], pos)
             marginal = mass * nu if marginal is None else marginal + mass * nu
             if not last:
                 for y in nu.nonzero().flatten().tolist():
@@ -142,7 +144,7 @@ def _sample(tiny_pair, weight, length, num_draft, planner=None, strict=True):
                     SamplingOptions(
                         temperature=TEMPERATURE, top_k=TOP_K, max_tokens=length, seed=seed, ignore_eos=True
                     ),
-                    VerifyOptions(weight=weight),
+                    Verification(weight=weight),
                 )
                 chunks = [c async for c in engine.generate(req)]
                 return tuple(t for c in chunks for t in c.token_ids), chunks[-1].stats
@@ -196,6 +198,27 @@ def test_bonus_position_is_nu(tiny_pair, hf_pair, weight):
     # Power: the law the bonus had before (p at position 3) is rejected by the same test.
     wrong = _marginals(hf_pair, prompt, weight, 3, last_from_p=True)[2]
     stat, dof = _chi_square(Counter(o[2] for o in outputs), wrong, len(outputs))
+    assert stat > chi2.ppf(1 - 1e-4, dof)
+
+
+def pinned_two(cost, max_n):
+    """The engine's planner pinned to N = 2 for its adaptive rows (a bench's `--sweep 2`)."""
+    planner = DraftPlanner(cost, max_n)
+    planner.force = 2
+    return planner
+
+
+def test_an_adaptive_rows_bonus_is_drawn_from_p(tiny_pair, hf_pair):
+    """The default engine: an adaptive w < 1 row draws its bonus from p, not ν (ν there costs a
+    draft step and buys no token), like its first token (from the prefill, an N = 0 round). At
+    w = 0 both drafts of the first round are always accepted: token 1 follows p, tokens 2-3 q = ν,
+    and token 4, the bonus, p given them; the power check: the ν (= q) law at token 4, what
+    `--strict-nu` draws, is rejected by the same test."""
+    prompt, outputs, stats = _sample(tiny_pair, 0.0, 4, None, pinned_two, strict=False)
+    assert all(s.drafts == 1 and s.acceptance_rate == 1.0 and s.target_only_rounds == 1 for s in stats)
+    _check_positions(outputs, _marginals(hf_pair, prompt, 0.0, 4, from_p=(0, 3)))
+    nu = _marginals(hf_pair, prompt, 0.0, 4, from_p=(0,))[3]
+    stat, dof = _chi_square(Counter(o[3] for o in outputs), nu, len(outputs))
     assert stat > chi2.ppf(1 - 1e-4, dof)
 
 

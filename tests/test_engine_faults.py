@@ -17,7 +17,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 
     target, draft = tiny_pair
     eng = EmbeddedEngine(EmbeddedEngineConfig(target, draft, num_draft=3, max_batch=4, max_context=128))
@@ -154,7 +154,7 @@ def test_sampling_values_are_served_as_the_engine_can(engine):
 def test_unrecoverable_fault_stops_the_engine(tiny_pair):
     """When the probe request fails too, the engine is broken: every request fails, readiness says
     so, and new requests are refused (the gateway then exits non-zero: test_gateway_faults)."""
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 
     target, draft = tiny_pair
     eng = EmbeddedEngine(EmbeddedEngineConfig(target, draft, num_draft=3, max_batch=2, max_context=128))

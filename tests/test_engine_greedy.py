@@ -13,8 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
+from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.protocol import GenerationRequest, SamplingOptions
+from verifier.dial import Verification
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "embedded"
 PROMPTS = ["Tom has 12 apples", "def add(a, b):", "Summary: the council", "The quick brown fox"]
@@ -47,7 +48,7 @@ async def _generate(engine, ids, mode, max_tokens, n=None):
         "r",
         tuple(ids),
         SamplingOptions(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-        VerifyOptions(mode=mode, weight=1.0, num_draft=n),
+        Verification(mode=mode, weight=1.0, num_draft=n),
     )
     tokens, last = [], None
     async for chunk in engine.generate(req):

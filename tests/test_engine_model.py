@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from server.engine import llama
-from server.engine.llama import ModelArgs, linear, load_model, rope_inv_freq
+from server.engine.embedded.model import llama
+from server.engine.embedded.model.llama import ModelArgs, linear, load_model, rope_inv_freq
 
 ATOL = 1e-4
 

@@ -28,7 +28,7 @@ MSG = [{"role": "user", "content": "Tom has 12 apples"}]
 
 @pytest.fixture(scope="module")
 def served(tiny_pair):
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 
     target, draft = tiny_pair
     engine = EmbeddedEngine(
@@ -93,7 +93,7 @@ def test_quality_zero_is_served_by_the_draft_alone(tiny_pair):
     response says so (draft-only tokens, nothing proposed or verified, mean w 0), the trace labels
     every token a draft with w = 0, the metrics count them; a per-request num_draft still pins the
     speculative path."""
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 
     engine = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=2, max_context=128, served_name=NAME))
     with live_server(create_app(engine, GatewaySettings())) as srv:

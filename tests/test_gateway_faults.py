@@ -21,7 +21,7 @@ POISON = "<poison>"  # a stop string the fixture turns into a row the sampling t
 
 @pytest.fixture(scope="module")
 def served(tiny_pair):
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 
     target, draft = tiny_pair
     engine = EmbeddedEngine(

@@ -25,7 +25,7 @@ EXAMPLES = 50  # per operation and generation mode (~20 s in all on 2 cores)
 
 @pytest.fixture(scope="module")
 def server(tiny_pair):
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 
     target, draft = tiny_pair
     engine = EmbeddedEngine(

@@ -22,7 +22,7 @@ NAME = "tiny-pair"
 MAIN = "import sys; from server.cli import main; sys.exit(main(sys.argv[1:]))"
 # The engine breaks for good: every forward raises, so the probe request fails too.
 BROKEN_ENGINE = (
-    "import server.engine.scheduler as s\n"
+    "import server.engine.embedded.scheduler as s\n"
     "def broken(*args, **kwargs):\n"
     "    raise RuntimeError('device lost')\n"
     "s.prefill = s.run_round = broken\n"

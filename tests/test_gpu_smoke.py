@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from server.engine.llama import rope_table
+from server.engine.embedded.model.llama import rope_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def test_smoke_script_names_its_verbs_on_a_wrong_one():
 def test_bench_options_are_bench_config_fields():
     """The GPU steps call `run_bench` with options checked only there: a renamed field would fail
     on the GPU node, not here."""
-    from server.engine.bench.runner import BenchConfig
+    from server.engine.embedded.bench.runner import BenchConfig
 
     smoke = _smoke()
     BenchConfig("t", "d", waves=1, trials=1, **smoke.ENGINE_BENCH)

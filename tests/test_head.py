@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
+from server.engine.embedded.model.llama import load_model
 from server.engine.head_store import CONFIG_FILE, head_for_pair, load_head, pair_fingerprint, save_head
-from server.engine.llama import load_model
 from training.rl import TrainConfig, reinforce_pp_loss
 from training.rollout import Rollout, teacher_force
 from verifier.head import HeadConfig, WeightHead, position_stats, wants_stats

@@ -1,4 +1,5 @@
-"""Layers point one way: verifier <- engine <- gateway; training and loadtest on top.
+"""Layers point one way: verifier <- engine <- gateway; training and loadtest on top; the engine's
+SGLang client and embedded engine never import each other.
 
 The import graph is read from the source (every `import`, including the lazy ones inside
 functions, which hide cycles from the interpreter but not from readers). A new edge that breaks a
@@ -25,6 +26,17 @@ ALLOWED = {
     "server.cli": {"server.cli_errors"},
     "training": {"verifier", "server.engine", "server.cli_errors"},
     "loadtest": set(),  # HTTP only: it must work against any OpenAI-compatible server
+}
+
+# The engine's two rooms never import each other: the SGLang client is HTTP only (no torch) and
+# the embedded engine needs nothing of it. Both may use what `server.engine` itself shares
+# (protocol, model_pair, head_store).
+ROOMS = ("server.engine.sglang", "server.engine.embedded")
+# Inside the embedded engine, the model and the planner sit below the round, the row and the
+# scheduler: they may import each other's room (planner -> model) but nothing above them.
+EMBEDDED_BELOW = {
+    "server.engine.embedded.model": set(),
+    "server.engine.embedded.planner": {"server.engine.embedded.model"},
 }
 
 
@@ -78,6 +90,43 @@ def test_layers_point_one_way():
     assert not bad, "layer violations:\n" + "\n".join(sorted(bad))
 
 
+def _room(module: str, rooms) -> str | None:
+    return next((r for r in rooms if module == r or module.startswith(r + ".")), None)
+
+
+def test_engine_rooms_do_not_import_each_other():
+    bad = [
+        f"{src} -> {dst}"
+        for src, dsts in graph().items()
+        for dst in dsts
+        if (a := _room(src, ROOMS)) and (b := _room(dst, ROOMS)) and a != b
+    ]
+    assert not bad, "sglang <-> embedded imports:\n" + "\n".join(sorted(bad))
+
+
+def test_embedded_model_and_planner_import_nothing_above_them():
+    inside = "server.engine.embedded"
+    bad = [
+        f"{src} -> {dst}"
+        for src, dsts in graph().items()
+        if (room := _room(src, EMBEDDED_BELOW))
+        for dst in dsts
+        if dst.startswith(inside + ".") and _room(dst, EMBEDDED_BELOW) not in {room, *EMBEDDED_BELOW[room]}
+    ]
+    assert not bad, "upward imports in the embedded engine:\n" + "\n".join(sorted(bad))
+
+
+def test_the_room_rules_have_power():
+    """Power: the checks name the edges they exist for (a rule that matches no module is void)."""
+    g = graph()
+    assert _room("server.engine.sglang.client", ROOMS) == "server.engine.sglang"
+    assert _room("server.engine.embedded.round", ROOMS) == "server.engine.embedded"
+    assert _room("server.engine.protocol", ROOMS) is None  # shared: both rooms may import it
+    assert "server.engine.protocol" in g["server.engine.sglang.client"]
+    assert "server.engine.protocol" in g["server.engine.embedded.engine"]
+    assert "server.engine.embedded.model.llama" in g["server.engine.embedded.planner.cost_profile"]
+
+
 def test_no_import_cycles():
     g = graph()
     state: dict[str, int] = {}  # 1 = on the stack, 2 = done
@@ -103,4 +152,4 @@ def test_no_import_cycles():
 def test_the_checker_sees_lazy_imports():
     """Power: a lazy import inside a function is an edge (the old engine <-> training cycle hid so)."""
     g = graph()
-    assert "server.engine.model_pair" in g["server.engine.bench.workload"]  # imported in a function
+    assert "server.engine.model_pair" in g["server.engine.embedded.bench.workload"]  # imported in a function

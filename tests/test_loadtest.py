@@ -452,7 +452,7 @@ def test_live_gateway_overload_and_duration_bound(tmp_path):
 
 def test_live_embedded_gateway(tiny_pair, tmp_path):
     """The real embedded engine (tiny random pair) behind the gateway."""
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 
     target, draft = tiny_pair
     engine = EmbeddedEngine(EmbeddedEngineConfig(target, draft, num_draft=3, max_batch=4, max_context=256))

@@ -43,7 +43,7 @@ TIMEOUT_MS = 90_000
 
 
 def _serve(**settings):
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
     from server.engine.model_pair import EMBEDDED_PAIR_DIR
 
     engine = EmbeddedEngine(

@@ -14,8 +14,8 @@ import openai
 import pytest
 import torch
 
+from server.engine.embedded.row import Row
 from server.engine.protocol import GenerationRequest, SamplingOptions
-from server.engine.row import Row
 from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings
 from tests.fake_sglang import FakeRuntime
@@ -65,9 +65,10 @@ def test_row_labels_drafts_corrections_and_bonus(tokenizer):
         ("corrected", 2, 0.3, N),
     ]
     assert [t.source for t in second] == ["draft"] * 4 + ["bonus"]
-    assert [t.weight for t in second] == [0.5, 0.6, 0.7, 0.8, 0.9]  # the bonus step's w (step.bonus)
-    _round(row, ids[8:13], 4, [0.5] * 4)  # no bonus step (ν = p for it): its w is the row's
-    assert row.weight == 0.5 and chunks[-1].provenance[-1].weight == 0.5
+    assert [t.weight for t in second] == [0.5, 0.6, 0.7, 0.8, 0.9]  # the bonus step's w (round.bonus)
+    # no bonus step (an adaptive row's default): the bonus was drawn from p, the law of w = 1
+    _round(row, ids[8:13], 4, [0.5] * 4)
+    assert row.weight == 0.5 and chunks[-1].provenance[-1].weight == 1.0
     for chunk in chunks:  # per-token text pieces add up to the chunk's text
         assert "".join(t.text for t in chunk.provenance) == chunk.text
         assert len(chunk.provenance) == len(chunk.token_ids)
@@ -125,7 +126,7 @@ def _head(h_draft, h_target, dial):  # a stand-in learned head: w_t varies with 
 
 @pytest.fixture(scope="module")
 def served(tiny_pair):
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 
     target, draft = tiny_pair
     engine = EmbeddedEngine(
@@ -266,7 +267,7 @@ def test_dial_endpoint(served):
 
 def test_sglang_backend_refuses_trace(tiny_pair):
     """SGLang reports aggregate counters only: the gateway says so instead of inventing a trace."""
-    from server.engine.sglang_client import SGLangEngine
+    from server.engine.sglang.client import SGLangEngine
 
     runtime = FakeRuntime().start()
     try:

@@ -16,11 +16,11 @@ from server.engine.protocol import (
     GenerationRequest,
     ReportsReadiness,
     SamplingOptions,
-    VerifyOptions,
+    Verification,
     engine_readiness,
 )
-from server.engine.sglang_client import SGLangEngine, sampling_params_for, stats_from_meta
-from server.engine.sglang_readiness import ProbeConfig, judge_probe
+from server.engine.sglang.client import SGLangEngine, sampling_params_for, stats_from_meta
+from server.engine.sglang.readiness import ProbeConfig, judge_probe
 from tests.fake_sglang import N_DRAFT, FakeRuntime, free_port
 from verifier.dial import WIRE_DIAL, PolicyKind
 
@@ -51,7 +51,7 @@ def _request(max_tokens=64, weight=0.4, **kw) -> GenerationRequest:
         request_id="req-1",
         prompt_token_ids=(1, 2, 3),
         sampling=SamplingOptions(max_tokens=max_tokens, temperature=0.7, top_k=0, seed=11, stop=("\n\n",)),
-        verify=VerifyOptions(weight=weight, **kw),
+        verify=Verification(weight=weight, **kw),
     )
 
 
@@ -64,7 +64,7 @@ def run(coro):
 
 
 def test_engine_satisfies_the_protocol_without_importing_torch():
-    code = "import sys, server.engine.sglang_client; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, server.engine.sglang.client; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
     assert isinstance(SGLangEngine("http://x", "/nowhere"), Engine)
 
@@ -442,7 +442,7 @@ def test_ignore_eos_is_forwarded():
 
 
 def test_embedded_engine_declares_its_capabilities(tiny_pair):
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 
     target, draft = tiny_pair
     engine = EmbeddedEngine(EmbeddedEngineConfig(target, draft, num_draft=3, max_num_draft=6))

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from server.cli import main
-from server.engine.llama import load_model
+from server.engine.embedded.model.llama import load_model
 from training import synth_pair
 from training.synth_pair import SHAPES, Shape, write_pair
 

@@ -40,18 +40,32 @@ def write_pair_files(pair_dir: Path, scores: dict) -> dict:
 
 
 def render_card(pair_dir: Path, meta: dict, train: dict, scores: dict) -> str:
-    s, acc = scores["scores"], scores["acceptance"]
-    rows = "\n".join(
-        f"| {t} | {TASKS[t].metric} | {s['target'][t]:.3f} | {s['draft'][t]:.3f} |" for t in TASKS
+    """The card's markdown: each section from the measurements it reports."""
+    return "\n".join(
+        [
+            _intro(meta),
+            _models(pair_dir, meta, train, scores.get("cost_ms")),
+            _DATA,
+            _scores(meta, scores),
+            _acceptance(scores),
+            _provenance(train),
+            _REPRODUCE,
+        ]
     )
-    acc_rows = "\n".join(
-        f"| {t} | {a['accepted']} / {a['proposed']} | {a['acceptance']:.3f} |"
-        for t, a in acc["per_task"].items()
-    )
-    o = acc["overall"]
-    cost = scores.get("cost_ms") or {"target": float("nan"), "draft": float("nan")}
-    t_steps, t_max = train["target"]["steps"], train["target"]["train"]["max_steps"]
-    d_max = train["draft"]["train"]["max_steps"]
+
+
+def _intro(meta: dict) -> str:
+    return f"""# {meta["name"]} — dialspec's embedded draft/target pair
+
+A from-scratch `LlamaForCausalLM` pair (bf16 safetensors, one shared byte-level BPE tokenizer with
+digits split individually, chat template `<|user|>\\n...\\n<|assistant|>\\n`, completions end with
+`<|eos|>`) trained on dialspec's generated three-task suite. It exists so that dialspec runs,
+and is measured, with no GPU and no model hub. It is a toy: it knows only these task formats.
+"""
+
+
+def _models(pair_dir: Path, meta: dict, train: dict, cost: dict | None) -> str:
+    cost = cost or {"target": float("nan"), "draft": float("nan")}
 
     def arch(role: str) -> str:
         sp, tr = train[role]["spec"], train[role]
@@ -61,14 +75,7 @@ def render_card(pair_dir: Path, meta: dict, train: dict, scores: dict) -> str:
             f"{tr['final_loss']:.3f} | {tr['seconds'] / 60:.1f} min | {_size_mb(pair_dir / role):.1f} MB |"
         )
 
-    return f"""# {meta["name"]} — dialspec's embedded draft/target pair
-
-A from-scratch `LlamaForCausalLM` pair (bf16 safetensors, one shared byte-level BPE tokenizer with
-digits split individually, chat template `<|user|>\\n...\\n<|assistant|>\\n`, completions end with
-`<|eos|>`) trained on dialspec's generated three-task suite. It exists so that dialspec runs,
-and is measured, with no GPU and no model hub. It is a toy: it knows only these task formats.
-
-## Models
+    return f"""## Models
 
 | role | params | layers | hidden | heads/kv | ffn | steps | train tokens | final loss | train time | size |
 |---|---|---|---|---|---|---|---|---|---|---|
@@ -78,8 +85,10 @@ and is measured, with no GPU and no model hub. It is a toy: it knows only these 
 Draft/target parameter ratio: {meta["draft_params"] / meta["target_params"]:.3f}. Cost of one KV-cached
 one-token forward at batch 1 (fp32, 1 thread, best of 7 runs on the training box): target
 {cost["target"]:.2f} ms, draft {cost["draft"]:.2f} ms ({cost["target"] / cost["draft"]:.1f}x).
+"""
 
-## Data
+
+_DATA = """## Data
 
 `training/tasks/` generates every example from seeds; an example's split (train 90% / dev 5% /
 test 5% of prompt-hash space) is a hash of its prompt, so splits are disjoint by construction.
@@ -87,8 +96,15 @@ test 5% of prompt-hash space) is a hash of its prompt, so splits are disjoint by
 - `summary`: news-like article (3 key facts + 2 numeric distractors, shuffled) -> one sentence.
 - `code`: spec from 8 templated families -> a one-line Python function; 4 hidden asserts.
 Training mixture math/summary/code = 0.6/0.2/0.2, loss on completion tokens only.
+"""
 
-## Scores (test split, first {scores["n"]} examples per task, greedy, fp32)
+
+def _scores(meta: dict, scores: dict) -> str:
+    s = scores["scores"]
+    rows = "\n".join(
+        f"| {t} | {TASKS[t].metric} | {s['target'][t]:.3f} | {s['draft'][t]:.3f} |" for t in TASKS
+    )
+    return f"""## Scores (test split, first {scores["n"]} examples per task, greedy, fp32)
 
 | task | metric | target | draft |
 |---|---|---|---|
@@ -96,18 +112,32 @@ Training mixture math/summary/code = 0.6/0.2/0.2, loss on completion tokens only
 
 Reproducibility slice (tests/test_embedded_pair.py): greedy on the first {SLICE_N} math test problems,
 target {sum(meta["slice"]["target"])}/{SLICE_N}, draft {sum(meta["slice"]["draft"])}/{SLICE_N}.
+"""
 
-## Speculative acceptance (lossless, w = 1, temperature 1, N = {NUM_DRAFT})
+
+def _acceptance(scores: dict) -> str:
+    acc = scores["acceptance"]
+    rows = "\n".join(
+        f"| {t} | {a['accepted']} / {a['proposed']} | {a['acceptance']:.3f} |"
+        for t, a in acc["per_task"].items()
+    )
+    o = acc["overall"]
+    return f"""## Speculative acceptance (lossless, w = 1, temperature 1, N = {NUM_DRAFT})
 
 Measured with `training.spec_reference` (reference loop over `verifier.verify`) on the first
 {scores["accept_n"]} test prompts per task; acceptance = accepted drafts / proposed drafts.
 
 | task | accepted / proposed | acceptance |
 |---|---|---|
-{acc_rows}
+{rows}
 | **all** | {o["accepted"]} / {o["proposed"]} | **{o["acceptance"]:.3f}** |
+"""
 
-## Provenance
+
+def _provenance(train: dict) -> str:
+    t_steps, t_max = train["target"]["steps"], train["target"]["train"]["max_steps"]
+    d_max = train["draft"]["train"]["max_steps"]
+    return f"""## Provenance
 
 Draft and target are independent (each seeded on its own; same tokenizer, which is
 deterministic), so the recipe trains them one after the other while the shipped pair was trained
@@ -117,8 +147,10 @@ its 44-minute wall-clock budget at step {t_steps} of {t_max}; the draft is step-
 leave no quality gap for speculative decoding to matter. Full retrain: about 50 minutes on 2 cores
 (draft ~3-8 min, target <= 44 min, data and tokenizer ~1.5 min, scoring ~1 min); per-step logs
 are in `train.log`.
+"""
 
-## Reproduce
+
+_REPRODUCE = """## Reproduce
 
     dialspec pair train --out models/embedded     # tokenizer + draft + target, then scores this card
     dialspec pair score --pair models/embedded    # re-measure scores and acceptance only

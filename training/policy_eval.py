@@ -32,11 +32,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from server.engine.embedded import EmbeddedEngine
-from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
+from server.engine.embedded.engine import EmbeddedEngine
+from server.engine.protocol import GenerationRequest, SamplingOptions
 from training import tasks
 from training.rollout import BatchRun, generate_batch, rollout_engine, teacher_force
-from verifier.dial import PolicyKind
+from verifier.dial import PolicyKind, Verification
 
 
 @dataclass
@@ -72,7 +72,7 @@ TYPICAL_EPSILON, TYPICAL_DELTA = 0.09, 0.3  # Medusa's defaults, scaled by `typi
 class PolicySpec:
     name: str  # unique label, e.g. "static w=0.25"
     family: str  # ar | sd | static | sd_lossy | cascade | typical | learned | learned[<head>]
-    verify: VerifyOptions
+    verify: Verification
     x: float | None = None  # the knob: w, l, α, the typical scale, or the dial d
     head: str = ""  # which head a learned row uses ("" = the primary one)
 
@@ -81,17 +81,17 @@ def policy_specs(cfg: EvalConfig, heads: tuple[str, ...] = ()) -> list[PolicySpe
     """Every (method, knob) row; `heads` names the learned heads ("" = the primary head)."""
     n = cfg.num_draft
     specs = [
-        PolicySpec("AR", "ar", VerifyOptions(mode="autoregressive")),
-        PolicySpec("SD", "sd", VerifyOptions(weight=1.0, num_draft=n), 1.0),
+        PolicySpec("AR", "ar", Verification(mode="autoregressive")),
+        PolicySpec("SD", "sd", Verification(weight=1.0, num_draft=n), 1.0),
     ]
     specs += [
-        PolicySpec(f"static w={w:g}", "static", VerifyOptions(weight=w, num_draft=n), w) for w in cfg.w_sweep
+        PolicySpec(f"static w={w:g}", "static", Verification(weight=w, num_draft=n), w) for w in cfg.w_sweep
     ]
     specs += [
         PolicySpec(
             f"SD lossy l={v:g}",
             "sd_lossy",
-            VerifyOptions(policy=PolicyKind.LOSSY, lenience=v, num_draft=n),
+            Verification(policy=PolicyKind.LOSSY, lenience=v, num_draft=n),
             v,
         )
         for v in cfg.lenience_sweep
@@ -100,13 +100,13 @@ def policy_specs(cfg: EvalConfig, heads: tuple[str, ...] = ()) -> list[PolicySpe
         PolicySpec(
             f"SpecCascade a={a:g}",
             "cascade",
-            VerifyOptions(policy=PolicyKind.CASCADE, alpha=a, num_draft=n),
+            Verification(policy=PolicyKind.CASCADE, alpha=a, num_draft=n),
             a,
         )
         for a in cfg.alpha_sweep
     ]
     for k in cfg.typical_sweep:
-        v = VerifyOptions(
+        v = Verification(
             policy=PolicyKind.TYPICAL,
             epsilon=min(1.0, TYPICAL_EPSILON * k),
             delta=TYPICAL_DELTA * k,
@@ -116,7 +116,7 @@ def policy_specs(cfg: EvalConfig, heads: tuple[str, ...] = ()) -> list[PolicySpe
     for head in heads:
         family = "learned" if head == "" else f"learned[{head}]"
         specs += [
-            PolicySpec(f"{family} d={d:g}", family, VerifyOptions(weight=d, dial=d, num_draft=n), d, head)
+            PolicySpec(f"{family} d={d:g}", family, Verification(weight=d, dial=d, num_draft=n), d, head)
             for d in cfg.dials
         ]
     return specs
@@ -233,8 +233,8 @@ def _warmup(engine: EmbeddedEngine, cfg: EvalConfig) -> None:
     generate_batch(
         engine,
         [
-            GenerationRequest("warm-sd", ids, sampling, VerifyOptions(num_draft=cfg.num_draft)),
-            GenerationRequest("warm-ar", ids, sampling, VerifyOptions(mode="autoregressive")),
+            GenerationRequest("warm-sd", ids, sampling, Verification(num_draft=cfg.num_draft)),
+            GenerationRequest("warm-ar", ids, sampling, Verification(mode="autoregressive")),
         ],
     )
 

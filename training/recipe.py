@@ -197,7 +197,8 @@ def default_log_file(out_dir: Path):
 
 
 def run(out_dir: Path, cfg: RecipeConfig = RecipeConfig(), roles=("draft", "target")) -> dict:
-    """The whole recipe (training only; `training.report` evaluates and writes the card)."""
+    """The whole recipe, training only: `training.scorecard.score_pair` evaluates the pair and
+    `training.model_card` writes its card."""
     torch.set_num_threads(cfg.threads)
     log = default_log_file(out_dir)
     tokenizer, pools = build_data(cfg, log)

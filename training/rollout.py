@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from server.engine.llama import Transformer
+from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded.model.llama import Transformer
 from server.engine.protocol import GenerationRequest, SpecStats
 from verifier import ensemble_mix, logits_to_probs, tv_distance
 from verifier.head import position_stats
@@ -35,7 +35,7 @@ from verifier.head import position_stats
 def rollout_engine(cfg, head=None) -> EmbeddedEngine:
     """The embedded engine training and evaluation roll out with (`cfg`: TrainConfig or EvalConfig;
     a `dtype` field, when present, picks the model dtype: "auto" measures it, cached)."""
-    from server.engine.embedded import default_cache_dir
+    from server.engine.embedded.engine import default_cache_dir
 
     dtype = getattr(cfg, "dtype", None)
     return EmbeddedEngine(
@@ -103,8 +103,8 @@ def generate_batch(engine: EmbeddedEngine, requests: list[GenerationRequest]) ->
     with cv:
         while remaining[0] > 0:
             cv.wait(timeout=1.0)
-            if engine.scheduler is not None and engine.scheduler.error is not None and not errors:
-                errors.append(engine.scheduler.error)
+            if engine.scheduler is not None and engine.scheduler.fault is not None and not errors:
+                errors.append(engine.scheduler.fault)
             if errors:
                 raise RuntimeError(f"engine failed during a batch run: {errors[0]!r}") from errors[0]
     return BatchRun(rollouts, time.perf_counter() - start)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from server.engine.head_store import head_for_pair, save_head
-from server.engine.protocol import GenerationRequest, SamplingOptions, VerifyOptions
+from server.engine.protocol import GenerationRequest, SamplingOptions
 from training import tasks
 from training.distill import rule_agreement
 from training.rl import (
@@ -35,6 +35,7 @@ from training.rl import (
     warm_start,
 )
 from training.rollout import expected_acceptance, generate_batch, rollout_engine, teacher_force
+from verifier.dial import Verification
 from verifier.head import WeightHead
 
 
@@ -123,7 +124,7 @@ class Trainer:
                 f"train-{i}",
                 tuple(self.prompt_ids(ex)),
                 SamplingOptions(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=seed),
-                VerifyOptions(dial=float(d), weight=float(d), num_draft=cfg.num_draft),
+                Verification(dial=float(d), weight=float(d), num_draft=cfg.num_draft),
             )
             for i, (ex, d, seed) in enumerate(zip(examples, dials.tolist(), seeds, strict=True))
         ]

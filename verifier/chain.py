@@ -133,8 +133,10 @@ def verify(
 
     Algorithm (sampling rows): accept x_i with probability `a_i` (policy-defined; for the ensemble
     `min(1, ν(x_i)/q(x_i))`) until the first rejection k; emit x_1..x_k, then one token from
-    `norm(residual_k)` (`norm(max(0, p_k − q_k))` for the ensemble; p_k when that mass is ~0), or from
-    `p_N` if all N were accepted. Each emitted position is then distributed exactly as ν.
+    `norm(residual_k)` (`norm(max(0, p_k − q_k))` for the ensemble; p_k when that mass is ~0), or,
+    if all N were accepted, the bonus: from `ν_{N+1} = w·p_N + (1−w)·bonus_probs` when
+    `bonus_probs` is given, else from p_N, which is ν only where w = 1. Each accepted draft and
+    correction is distributed exactly as ν; the bonus is too given `bonus_probs` (or w = 1).
 
     Returns `VerifyResult`: `num_accepted` `[B]` (accepted drafts, in [0, N]), `tokens` `[B, N+1]`
     (accepted drafts, then the one correction or bonus token, then PAD_TOKEN = -1) and

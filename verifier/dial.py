@@ -94,6 +94,17 @@ def check_unit(value, name: str = "quality") -> float:
     return float(value)
 
 
+def check_policy_params(lenience: float, alpha: float, epsilon: float, delta: float) -> None:
+    """The baseline policies' ranges, checked here only (`Verification.validate` and
+    `verifier.policies.Policy` both call this): DialError naming the first one out of range."""
+    if not 0.0 < lenience <= 1.0:
+        raise DialError(f"lenience must lie in (0, 1], got {lenience}", "lenience")
+    if not alpha >= 0.0:
+        raise DialError(f"alpha must be >= 0, got {alpha}", "alpha")
+    if not (0.0 <= epsilon <= 1.0 and delta >= 0.0):
+        raise DialError("typical thresholds need 0 <= epsilon <= 1, delta >= 0", "verifier")
+
+
 @dataclass(frozen=True)
 class Verification:
     """How one request's drafts are verified: what an engine needs from the dial.
@@ -128,12 +139,7 @@ class Verification:
             check_unit(self.dial, "dial")
             if self.policy != PolicyKind.ENSEMBLE:
                 raise DialError("a learned dial works only with the ensemble verifier", "verifier")
-        if not 0.0 < self.lenience <= 1.0:
-            raise DialError(f"lenience must lie in (0, 1], got {self.lenience}", "lenience")
-        if not self.alpha >= 0.0:
-            raise DialError(f"alpha must be >= 0, got {self.alpha}", "alpha")
-        if not (0.0 <= self.epsilon <= 1.0 and self.delta >= 0.0):
-            raise DialError("typical thresholds need 0 <= epsilon <= 1, delta >= 0", "verifier")
+        check_policy_params(self.lenience, self.alpha, self.epsilon, self.delta)
         n = self.num_draft
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise DialError(f"num_draft must be an integer >= 1, got {n!r}", "num_draft")

@@ -6,7 +6,7 @@ Terms
     h_target  `[R, N, Ht]` final-norm target hidden states at the positions scoring each draft token.
     stats     `[R, N, 5]` `position_stats(p, q)`: the cheap confidence statistics the verifier has
               at every draft position anyway — max p, max q, H(p), H(q), TV(p, q).
-    dial      `[R]` the request's dial d in [0, 1] (`VerifyOptions.dial`; see verifier/dial.py).
+    dial      `[R]` the request's dial d in [0, 1] (`Verification.dial`; see verifier/dial.py).
               Low d asks for speed (more acceptance), high d for fidelity to the target.
     w         `[R, N]` the per-token ensemble weight on the target, `ν_t = w_t·p_t + (1 − w_t)·q_t`.
     inputs    what a head reads: "states" (the paper's head), "stats", or "both".

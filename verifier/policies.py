@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier.dial import PolicyKind
+from verifier.dial import PolicyKind, Verification, check_policy_params
 from verifier.theory import tv_distance
 
 # Guards divisions by q(x); q(x) of a sampled draft token is > 0 unless the caller lied.
@@ -36,24 +36,22 @@ _TINY = 1e-20
 
 @dataclass(frozen=True)
 class Policy:
-    """One request's verification policy. The ensemble weight w travels separately (see verify)."""
+    """One request's verification policy. The ensemble weight w travels separately (see verify).
+    Defaults and ranges are the dial's (`verifier.dial.Verification`, `check_policy_params`)."""
 
     kind: PolicyKind = PolicyKind.ENSEMBLE
-    lenience: float = 0.5  # LOSSY: l in (0, 1]; 1 is lossless
-    alpha: float = 0.5  # CASCADE: deferral margin scale (>= 0)
-    epsilon: float = 0.09  # TYPICAL: hard threshold (Medusa's posterior_threshold)
-    delta: float = 0.3  # TYPICAL: entropy-scaled threshold (Medusa's posterior_alpha)
+    lenience: float = Verification.lenience  # LOSSY: l in (0, 1]; 1 is lossless
+    alpha: float = Verification.alpha  # CASCADE: deferral margin scale (>= 0)
+    epsilon: float = Verification.epsilon  # TYPICAL: hard threshold (Medusa's posterior_threshold)
+    delta: float = Verification.delta  # TYPICAL: entropy-scaled threshold (Medusa's posterior_alpha)
 
     def __post_init__(self):
-        checks = {
-            "lenience": 0.0 < self.lenience <= 1.0,
-            "alpha": self.alpha >= 0.0,
-            "epsilon": 0.0 <= self.epsilon <= 1.0,
-            "delta": self.delta >= 0.0,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"Policy.{name}={getattr(self, name)!r} is out of range")
+        check_policy_params(self.lenience, self.alpha, self.epsilon, self.delta)
+
+    @classmethod
+    def of(cls, v: Verification) -> Policy:
+        """The policy a request's `Verification` asks for (the one place one is built from it)."""
+        return cls(v.policy, v.lenience, v.alpha, v.epsilon, v.delta)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,11 @@
 """Engines: things that turn a GenerationRequest into a stream of GenerationChunks.
 
-`protocol` is torch-free so the gateway can import it without loading model code.
+Shared by the gateway, training and the SGLang plugin (torch-free unless noted):
+    protocol.py    the `Engine` protocol, requests, chunks, stats, errors.
+    model_pair.py  where the shipped pair and its prompts are, and their checksums.
+    head_store.py  learned heads on disk and the pair fingerprint (torch).
 
-Embedded engine modules (torch; import them only where the engine runs):
-    llama.py       Llama/Qwen2 decoder over a preallocated per-row KV cache (kv_cache.py).
-    row.py         one request's decoding state, stop rules and chunk emission (detokenize.py).
-    step.py        one batched round: N draft forwards, one target forward, one verifier.verify.
-    scheduler.py   continuous batching on a thread: admit, prefill, step, retire.
-    embedded.py    EmbeddedEngineConfig / EmbeddedEngine: the protocol implementation.
-    bench.py       `dialspec bench engine`.
+Two rooms, which never import each other (tests/test_layers.py):
+    sglang/        the `Engine` over HTTP to an SGLang runtime (no torch).
+    embedded/      a draft + target pair in this process (torch; import it only where it runs).
 """

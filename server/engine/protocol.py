@@ -1,7 +1,7 @@
 """The one small protocol every engine implements (embedded torch engine, SGLang client).
 
 The gateway speaks only this module's types: no torch, no tokenizer internals. The ensemble
-weight travels one path: HTTP body -> `verifier.dial.resolve` (quality -> `VerifyOptions`) ->
+weight travels one path: HTTP body -> `verifier.dial.resolve` (quality -> `Verification`) ->
 `GenerationRequest` -> the engine's per-row tensor -> `verifier.verify` (docs/architecture.md).
 
 Cancellation: closing the async iterator returned by `Engine.generate` (e.g. `aclose()`, or the
@@ -21,8 +21,6 @@ from typing import Literal, Protocol, runtime_checkable
 
 from verifier.dial import DEFAULT_AUTO_DIAL, PolicyKind, Verification
 
-# How a request's drafts are verified: owned by the dial (policy, static w, learned dial, N).
-VerifyOptions = Verification
 FinishReason = Literal["stop", "length", "abort"]
 # Where an emitted token came from: an accepted draft, the correction drawn at the first rejection,
 # the bonus drawn from ν after N accepted drafts (also at N = 0 when w < 1), or the target alone
@@ -117,7 +115,7 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
-    verify: VerifyOptions = field(default_factory=VerifyOptions)
+    verify: Verification = field(default_factory=Verification)
     # Report each token's provenance (`GenerationChunk.provenance`). Only engines whose
     # `info.token_provenance` is True honour it; the gateway refuses it (400) for the others.
     trace: bool = False
@@ -135,7 +133,7 @@ class SpecStats:
     weight_count: int = 0
     verify_steps: int = 0  # target forwards (rounds) for this request
     # Rounds without drafts of a w < 1 request whose token came from p, not ν: drafting did not
-    # pay there and the planner fell back to plain decoding (draft_length.py, "from p").
+    # pay there and the planner fell back to plain decoding (`server.engine.embedded.row.RowMode.draws_nu`).
     target_only_rounds: int = 0
     # Tokens drawn from the draft alone: quality 0 (a static w = 0, where ν = q) never runs the
     # target (`draft_only.py`); such tokens are neither proposed nor verified.
@@ -162,7 +160,8 @@ class TokenTrace:
     `weight` is the ensemble w applied at the token's position (the static w, or the learned
     head's w_t): for a draft, the w its acceptance test used; for a correction, the w of the test
     that rejected the draft there; for a bonus, the w of ν it was drawn from (after N accepted
-    drafts, or at N = 0 for a row with w < 1). None where no w applies: target tokens are drawn
+    drafts, or at N = 0 for a row with w < 1), or 1 where it was drawn from p (an adaptive row's
+    bonus unless `--strict-nu`: p is ν at w = 1). None where no w applies: target tokens are drawn
     from p alone, and baseline policies (lossy, cascade, typical) have no w.
     """
 

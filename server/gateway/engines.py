@@ -55,7 +55,7 @@ def choose_pair(target: Path | None, draft: Path | None, head: str | None) -> Pa
 
 
 def embedded_engine(args, pair: PairChoice):
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig, default_cache_dir  # torch
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig, default_cache_dir  # torch
 
     return EmbeddedEngine(
         EmbeddedEngineConfig(
@@ -75,8 +75,8 @@ def embedded_engine(args, pair: PairChoice):
 
 
 def sglang_engine(args):
-    from server.engine.sglang_client import SGLangEngine
-    from server.engine.sglang_readiness import ProbeConfig
+    from server.engine.sglang.client import SGLangEngine
+    from server.engine.sglang.readiness import ProbeConfig
 
     return SGLangEngine(
         args.sglang_url,

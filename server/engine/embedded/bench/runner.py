@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from server.engine.bench.hf_baselines import hf_run
-from server.engine.bench.report import BenchRow, check_targets, engine_row
-from server.engine.bench.workload import bench_prompts, engine_run, request_lengths
+from server.engine.embedded.bench.hf_baselines import hf_run
+from server.engine.embedded.bench.report import BenchRow, check_targets, engine_row
+from server.engine.embedded.bench.workload import bench_prompts, engine_run, request_lengths
 
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_assisted_w0.5")
 # Engine AR on HF generate's workload, every request at max_tokens: `generate` runs a batch to its
@@ -53,6 +53,7 @@ class BenchConfig:
     max_seconds: float | None = None
     profile_budget_s: float = 3.0
     cache_dir: str | None = None  # cost models / dtype choices (None: measured afresh)
+    forced_tv: float | None = None  # accept drafts with probability 1 − w·TV (`EmbeddedEngineConfig`)
 
     def waves_at(self, c: int) -> int:
         """Passes over the prompt list at concurrency c. One per c lets high-c rows run as many
@@ -214,10 +215,7 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
     """Run every method at every concurrency (options: `BenchConfig` fields); returns the
     JSON-ready report."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from server.engine.cost_profile import device_name
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from transformers import AutoTokenizer
 
     cfg = BenchConfig(str(target_path), str(draft_path), **options)
     t_start = time.perf_counter()
@@ -225,103 +223,138 @@ def run_bench(target_path, draft_path, progress=None, **options) -> dict:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     chats, prompt_ids = _workload(tok, cfg.prompts)
-    max_len = max(
-        request_lengths(
-            len(chats) * max(cfg.waves_at(c) for c in cfg.concurrency), cfg.max_tokens, cfg.length_spread
-        )
-    )
+    engine = _start_engine(cfg, prompt_ids, chats)
+    models = engine.scheduler.models
+    # HF baselines run on this thread: give it the engine's thread count so both sides compete on
+    # equal terms (recorded in the report's meta).
+    if models.num_threads:
+        torch.set_num_threads(models.num_threads)
+    measured = {
+        "weight_bytes": weight_bytes_per_token(models.target),
+        "copy_bandwidth": copy_bandwidth(models.device),
+    }
+    runs = sum(len(cfg.engine_plan()) + len(cfg.hf_plan(c)) for c in cfg.concurrency)
+    best = Best(progress, cfg.trials * runs)
+    hf = HFBaselines(cfg, tok, chats, engine.config.dtype, best) if cfg.include_hf else None
+    deadline = None if cfg.max_seconds is None else t_start + cfg.max_seconds
+    try:
+        skipped = _run_trials(cfg, engine, prompt_ids, hf, best, deadline)
+    finally:
+        engine.scheduler.stop()
+    rows = _rows(cfg, best)
+    meta = _meta(cfg, engine, measured, skipped, time.perf_counter() - t_start)
+    return {"meta": meta, "rows": [asdict(r) for r in rows], "targets": check_targets(rows, meta)}
+
+
+def _start_engine(cfg: BenchConfig, prompt_ids: list[list[int]], chats: list[str]):
+    """The embedded engine for every engine row, sized for the longest request, started."""
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+
+    requests = len(chats) * max(cfg.waves_at(c) for c in cfg.concurrency)
+    max_len = max(request_lengths(requests, cfg.max_tokens, cfg.length_spread))
     engine = EmbeddedEngine(
         EmbeddedEngineConfig(
             cfg.target_path, cfg.draft_path, num_draft=None, max_num_draft=cfg.max_num_draft,
             max_batch=max(cfg.concurrency),
             max_context=max(len(p) for p in prompt_ids) + max_len + 8, device=cfg.device,
             dtype=cfg.dtype, profile_budget_s=cfg.profile_budget_s, cache_dir=cfg.cache_dir,
+            forced_tv=cfg.forced_tv,
         )
     )  # fmt: skip
     engine.start_sync()
-    models = engine.scheduler.models
-    # HF baselines run on this thread: give it the engine's thread count so both sides compete on
-    # equal terms (recorded in the report's meta).
-    if models.num_threads:
-        torch.set_num_threads(models.num_threads)
-    device = models.device
-    weights = weight_bytes_per_token(models.target)
-    bandwidth = copy_bandwidth(device)
-    runs = sum(len(cfg.engine_plan()) + len(cfg.hf_plan(c)) for c in cfg.concurrency)
-    best = Best(progress, cfg.trials * runs)
-    hf_models = None
-    if cfg.include_hf:
-        dtype = engine.config.dtype  # the engine's resolved dtype: both sides compute alike
-        hf_models = tuple(
+    return engine
+
+
+class HFBaselines:
+    """HF `generate` and assisted generation on the engine's workload, in the engine's dtype."""
+
+    def __init__(self, cfg: BenchConfig, tok, chats: list[str], dtype, best: Best):
+        from transformers import AutoModelForCausalLM
+
+        self.cfg, self.tok, self.chats, self.best = cfg, tok, chats, best
+        self.target, self.draft = (
             AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(cfg.device).eval()
             for path in (cfg.target_path, cfg.draft_path)
         )
-        hf_run(hf_models[0], None, tok, chats[:1], 2, cfg.temperature, 1)  # warm-up
+        hf_run(self.target, None, tok, chats[:1], 2, cfg.temperature, 1)  # warm-up
 
-    def run_hf(method: str, c: int) -> tuple[int, float]:
+    def run(self, method: str, c: int) -> tuple[int, float]:
         """The same request list as the engine: batches of c for `generate`, one by one for assisted."""
-        target, draft = hf_models
-        texts = [chats[i % len(chats)] for i in range(len(chats) * cfg.waves_at(c))]
-        d = None if method == "hf_generate" else draft
+        cfg = self.cfg
+        texts = [self.chats[i % len(self.chats)] for i in range(len(self.chats) * cfg.waves_at(c))]
+        draft = None if method == "hf_generate" else self.draft
         w = 0.5 if method.endswith("w0.5") else None
         out = []
         for i in range(0, len(texts), c):
             # Every request at max_tokens (the engine's mean): `generate` runs a batch to its longest
             # request, so spread lengths would have it either credited tokens it did not owe (its
             # prompt cost spread thinner) or charged steps it did not need.
-            b = texts[i : i + c]
-            out.append(hf_run(target, d, tok, b, cfg.max_tokens, cfg.temperature, 5, w))
-            for _ in b:
-                best.request_done()
+            batch = texts[i : i + c]
+            out.append(hf_run(self.target, draft, self.tok, batch, cfg.max_tokens, cfg.temperature, 5, w))
+            for _ in batch:
+                self.best.request_done()
         return sum(r[0] for r in out), sum(r[1] for r in out)
 
-    planner = models.planner
+
+def _run_trials(
+    cfg: BenchConfig, engine, prompt_ids, hf: HFBaselines | None, best: Best, deadline
+) -> list[str]:
+    """Every trial of every row, interleaved (`_rotated`); returns the runs skipped past `deadline`."""
+    planner = engine.scheduler.models.planner
     skipped: list[str] = []
-    deadline = None if cfg.max_seconds is None else t_start + cfg.max_seconds
-    try:
-        warm = tier_verification("standard")
-        engine_run(engine, prompt_ids[:2], 2, cfg.temperature, warm, clients=2)  # warm-up
-        for trial in range(cfg.trials):
-            for c in cfg.concurrency:
-                for method, tier, verify, fixed in _rotated(cfg.engine_plan(), trial, cfg.trials):
-                    if deadline is not None and time.perf_counter() > deadline:
-                        skipped.append(f"{method} c={c}")
-                        continue
-                    best.describe(f"{method} c={c}")
+
+    def due(method: str, c: int) -> bool:
+        if deadline is not None and time.perf_counter() > deadline:
+            skipped.append(f"{method} c={c}")
+            return False
+        best.describe(f"{method} c={c}")
+        return True
+
+    warm = tier_verification("standard")
+    engine_run(engine, prompt_ids[:2], 2, cfg.temperature, warm, clients=2)  # warm-up
+    for trial in range(cfg.trials):
+        for c in cfg.concurrency:
+            for method, tier, verify, fixed in _rotated(cfg.engine_plan(), trial, cfg.trials):
+                if due(method, c):
                     planner.force = fixed if tier is not None else None
                     result = engine_run(
                         engine, prompt_ids, cfg.max_tokens, cfg.temperature, verify, c, cfg.waves_at(c),
                         on_request=best.request_done, spread=0.0 if method == UNIFORM else cfg.length_spread,
                     )  # fmt: skip
                     best.keep((method, c), result)
-                planner.force = None
-                for method in cfg.hf_plan(c):
-                    if deadline is not None and time.perf_counter() > deadline:
-                        skipped.append(f"{method} c={c}")
-                        continue
-                    best.describe(f"{method} c={c}")
-                    best.keep((method, c), run_hf(method, c))
-    finally:
-        engine.scheduler.stop()
-    rows = _rows(cfg, best)
-    meta = {
+            planner.force = None
+            for method in cfg.hf_plan(c):
+                if due(method, c):
+                    best.keep((method, c), hf.run(method, c))
+    return skipped
+
+
+def _meta(cfg: BenchConfig, engine, measured: dict, skipped: list[str], wall_s: float) -> dict:
+    """The report's meta: the run's settings, the host, the cost model, the bandwidth limit."""
+    import torch
+
+    from server.engine.embedded.planner.cost_profile import device_name
+
+    models = engine.scheduler.models
+    bandwidth = measured["copy_bandwidth"]
+    sizes = sorted({1, max(cfg.concurrency)})
+    return {
         **{k: v for k, v in asdict(cfg).items() if k not in ("target_path", "draft_path", "dtype")},
         "target": cfg.target_path, "draft": cfg.draft_path, "concurrency": list(cfg.concurrency),
         "tiers": {t: tier_verification(t).weight for t in cfg.tiers},
         "torch_threads": torch.get_num_threads(), "device": engine.config.device,
-        "device_name": device_name(device), "dtype": str(engine.config.dtype).removeprefix("torch."),
+        "device_name": device_name(models.device), "dtype": str(engine.config.dtype).removeprefix("torch."),
         "dtype_choice": engine.info.runtime.get("dtype_choice"),
         "cost_model": engine.cost_model_summary(),
-        "cost_model_profile": planner.profile.summary(sorted({1, max(cfg.concurrency)}), cfg.max_num_draft),
+        "cost_model_profile": models.planner.profile.summary(sizes, cfg.max_num_draft),
         "bandwidth": {
-            "weight_bytes": weights, "copy_gb_per_s": bandwidth / 1e9,
-            "limit_tokens_per_s": bandwidth / weights,
+            "weight_bytes": measured["weight_bytes"], "copy_gb_per_s": bandwidth / 1e9,
+            "limit_tokens_per_s": bandwidth / measured["weight_bytes"],
         },
         "stopped_early": f"{len(skipped)} runs skipped" if skipped else None, "skipped": skipped,
-        "wall_s": round(time.perf_counter() - t_start, 1),
+        "wall_s": round(wall_s, 1),
         "protocol": "closed loop: c clients work through the same prompts x waves seeded requests "
         "at every c, lengths spread evenly over max_tokens x (1 ± length_spread); best of `trials` "
         "interleaved runs per row; EOS ignored; tok/s counts prompt prefills, decode tok/s and the "
         "speedups do not (the cost model predicts rounds)",
     }  # fmt: skip
-    return {"meta": meta, "rows": [asdict(r) for r in rows], "targets": check_targets(rows, meta)}

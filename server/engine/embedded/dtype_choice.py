@@ -25,7 +25,7 @@ batch 1 alone still chooses bf16 (0.45 vs 0.61 s per prompt + reply token pair),
 
 The whole pair is then loaded once in that dtype (nothing converts per step). Decisions are cached
 as JSON next to the cost models (per shapes, device, threads, max_batch, torch and engine code:
-`cost_model.code_digest`).
+`cost_profile.code_digest`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _per_token_seconds(config: dict, dtype: torch.dtype, rows: tuple[int, ...], 
     (key "prompt"), estimated from one layer: a one-layer copy of the model (constant weights;
     the embedding cut to a few rows, as a step reads few of its rows) times the layer and the LM
     head separately."""
-    from server.engine.llama import ModelArgs, Transformer, rope_inv_freq, rope_table
+    from server.engine.embedded.model.llama import ModelArgs, Transformer, rope_inv_freq, rope_table
 
     args = ModelArgs.from_hf_config(config)
     one = replace(args, num_layers=1)
@@ -127,7 +127,7 @@ def choose_dtype(
     """(dtype, why) for `--dtype auto` (see the module doc)."""
     if device.type == "cuda":
         return torch.bfloat16, {"rule": "cuda: bfloat16"}
-    from server.engine.cost_profile import code_digest, device_name
+    from server.engine.embedded.planner.cost_profile import code_digest, device_name
 
     key = {
         "configs": [json.loads((Path(p) / "config.json").read_text()) for p in (target_path, draft_path)],

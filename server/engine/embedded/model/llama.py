@@ -48,7 +48,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from server.engine.kv_cache import KVCache
+from server.engine.embedded.model.kv_cache import KVCache
 
 _SMALL_M = (2, 128)  # rows for which `linear` takes the transposed product (see the module doc)
 _LARGE_WEIGHT = 1 << 22  # elements; smaller weights gain nothing measurable
@@ -268,7 +268,7 @@ class Transformer(nn.Module):
         return linear(hidden, self.lm_head.weight).float()
 
     def new_cache(self, max_batch: int, max_seq: int) -> KVCache:
-        from server.engine.kv_cache import CacheShape
+        from server.engine.embedded.model.kv_cache import CacheShape
 
         a = self.args
         if self.freqs_cis.shape[0] < max_seq:

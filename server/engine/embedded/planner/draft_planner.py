@@ -7,11 +7,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
-from server.engine.draft_length import (
+from server.engine.embedded.planner.draft_length import (
     EXPLORE_AFTER,
     MARGIN,
     AcceptanceCalibration,
+    AcceptanceEstimate,
     PairAgreement,
     RowChoice,
     beta_grid,
@@ -19,12 +21,40 @@ from server.engine.draft_length import (
     catch_up_bucket,
     catch_up_size,
     choose,
-    draws_q,
     expected_tokens,
     explore,
     log_grid,
 )
+from verifier import Policy
 from verifier.dial import PolicyKind
+
+
+class PlannedMode(Protocol):
+    """What the planner reads of a row's `row.RowMode`."""
+
+    @property
+    def adaptive(self) -> bool: ...
+    @property
+    def draft_only(self) -> bool: ...
+    @property
+    def draws_nu(self) -> bool: ...
+
+
+class PlannedRow(Protocol):
+    """What the planner reads of a `row.Row` (it sits below rows and cannot import them), and
+    `num_draft`, the one field it writes."""
+
+    num_draft: int
+    mode: PlannedMode
+    estimate: AcceptanceEstimate
+    policy: Policy
+
+    @property
+    def prior_weight(self) -> float: ...
+    @property
+    def draft_lag(self) -> int: ...
+    @property
+    def tokens_left(self) -> int: ...
 
 
 class RoundTable:
@@ -93,9 +123,8 @@ class DraftPlanner:
     """The engine's side of the policy: sets `row.num_draft` for adaptive rows each step, learns
     from each round (acceptance, TV̂, stage times into the cost model) and predicts round times.
 
-    Rows are read duck-typed: `adaptive`, `draft_only`, `num_draft`, `needs_q`, `p_when_undrafted`,
-    `estimate`, `prior_weight`, `policy.kind`, `draft_lag`, `tokens_left`. Plans are cached per
-    batch signature (rounded β, needs_q, fixed, catch-up per row; rows running) and cost-table
+    Rows are read as `PlannedRow`s. Plans are cached per
+    batch signature (rounded β, draws_nu, fixed, catch-up per row; rows running) and cost-table
     epoch, so steady batches do not re-run the search every step; a row planned at n = 0 for long
     enough may draft for one round (`draft_length.explore`). `profile` is the
     start-up cost model, kept unchanged to report how well it alone predicts rounds. `force`
@@ -122,13 +151,13 @@ class DraftPlanner:
         self._plans.clear()
         self._plain = None
 
-    def _estimate(self, row) -> tuple[float, tuple]:
+    def _estimate(self, row: PlannedRow) -> tuple[float, tuple]:
         """The row's acceptance estimate (uncalibrated) and its calibration key."""
         w = row.prior_weight if row.policy.kind == PolicyKind.ENSEMBLE else 1.0
         return row.estimate.beta(1.0 - w * self.agreement.tv), (row.policy.kind, round(w, 2))
 
-    def row_choice(self, row) -> RowChoice:
-        fixed = None if row.adaptive else row.num_draft
+    def row_choice(self, row: PlannedRow) -> RowChoice:
+        fixed = None if row.mode.adaptive else row.num_draft
         raw, key = self._estimate(row)
         beta = min(raw * self.calibration.factor(key), 1.0)
         catchup = 0.0
@@ -138,27 +167,27 @@ class DraftPlanner:
         # Near its end a request cannot emit more than it has left; far from it, no cap, so that
         # rows of one tier form one class for the search (β on a grid for the same reason).
         cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
-        return RowChoice(beta_grid(beta), row.needs_q, not row.p_when_undrafted, fixed, catchup, cap)
+        return RowChoice(beta_grid(beta), row.mode.draws_nu, fixed, catchup, cap)
 
-    def assign(self, rows: Sequence) -> None:
+    def assign(self, rows: Sequence[PlannedRow]) -> None:
         running = len(rows)
         self._choices = {}
-        draft_only = [row for row in rows if row.draft_only]
+        draft_only = [row for row in rows if row.mode.draft_only]
         for row in draft_only:  # the draft's own decoding (`draft_only.py`): no choice to make
             row.num_draft = max(1, min(self.max_n, row.tokens_left))
         if draft_only:
-            rows = [row for row in rows if not row.draft_only]
-        if not any(row.adaptive for row in rows):
+            rows = [row for row in rows if not row.mode.draft_only]
+        if not any(row.mode.adaptive for row in rows):
             return
         if self.force is not None:
             for row in rows:
-                if row.adaptive:
+                if row.mode.adaptive:
                     row.num_draft = self.force
             return
         self.table.refresh()
         if self._still_plain(rows):
             for row in rows:
-                if row.adaptive:
+                if row.mode.adaptive:
                     row.num_draft = 0
                     row.estimate.plain_rounds += 1
             return
@@ -172,7 +201,7 @@ class DraftPlanner:
                 self._plans.clear()
             self._plans[key] = plan
         due = [
-            r.adaptive and not n and r.estimate.plain_rounds >= EXPLORE_AFTER
+            r.mode.adaptive and not n and r.estimate.plain_rounds >= EXPLORE_AFTER
             for r, n in zip(rows, plan, strict=True)
         ]
         if any(due):  # see `explore` in draft_length.py
@@ -184,13 +213,13 @@ class DraftPlanner:
                 if d:  # tried or not, the next look is EXPLORE_AFTER plain rounds away
                     row.estimate.plain_rounds = 0
         for row, n in zip(rows, plan, strict=True):
-            if row.adaptive:
+            if row.mode.adaptive:
                 row.num_draft = n
                 row.estimate.plain_rounds = 0 if n else row.estimate.plain_rounds + 1
-        plain = not any(plan) and not any(row.needs_q and not row.p_when_undrafted for row in rows)
+        plain = not any(plan) and not any(row.mode.draws_nu for row in rows)
         self._plain = (tuple(rows), self.table.epoch) if plain else None
 
-    def _still_plain(self, rows: Sequence) -> bool:
+    def _still_plain(self, rows: Sequence[PlannedRow]) -> bool:
         """The last step planned these same rows, every one at n = 0, in this snapshot, and none
         is due to explore: then n = 0 stands without a search. With no drafts no estimate, TV̂ or
         calibration has moved; what does move, a lagging draft's catch-up (growing) and the
@@ -203,12 +232,12 @@ class DraftPlanner:
             and last[1] == self.table.epoch
             and len(last[0]) == len(rows)
             and all(a is b for a, b in zip(last[0], rows, strict=True))
-            and not any(row.adaptive and row.estimate.plain_rounds >= EXPLORE_AFTER for row in rows)
+            and not any(row.mode.adaptive and row.estimate.plain_rounds >= EXPLORE_AFTER for row in rows)
         )
 
-    def predict(self, rows: Sequence, n: int) -> tuple[float, float]:
+    def predict(self, rows: Sequence[PlannedRow], n: int) -> tuple[float, float]:
         """(live model, start-up profile) predictions of one round of `rows` at draft length n."""
-        if rows[0].draft_only:  # n draft steps and the round's fixed part; no target, no check
+        if rows[0].mode.draft_only:  # n draft steps and the round's fixed part; no target, no check
             r = len(rows)
             return self.cost.draft_only_round_time(r, n), self.profile.draft_only_round_time(r, n)
         self.table.refresh()
@@ -217,9 +246,9 @@ class DraftPlanner:
             # the choices this step's plan was made from (an earlier round of the step may have
             # moved TV̂ since, by one round's evidence: the plan's view is close, and it is free)
             choices = [self._choices.get(id(row)) or self.row_choice(row) for row in rows]
-            bonus = bonus_steps([c.beta for c in choices if draws_q(c, n)], n)
-        else:  # a bonus step iff some row draws from ν at n = 0 (`draws_q`): no estimates needed
-            bonus = float(any(row.needs_q and not row.p_when_undrafted for row in rows))
+            bonus = bonus_steps([c.beta for c in choices if c.draws_nu], n)
+        else:  # a bonus step iff some row draws from ν (at n = 0 always): no estimates needed
+            bonus = float(any(row.mode.draws_nu for row in rows))
         m = catch_up_size([row.draft_lag for row in rows]) if n else 0  # lagging rows catch up first
         r = len(rows)
         live = self.table(r, n, bonus) + (self.table.catch_up(m) if m else 0.0)
@@ -250,7 +279,7 @@ class DraftPlanner:
         r, n, cost = batch.size, batch.n, self.cost
         if n and self.force is None:  # the planner chose n for its adaptive rows: calibrate
             for row, k, accept in zip(batch.rows, out.num_accepted, out.accept_probs, strict=True):
-                if row.adaptive:
+                if row.mode.adaptive:
                     raw, key = self._estimate(row)  # what this round was planned with
                     self.calibration.observe(key, k, len(accept), raw)
         for row, accept, tv in zip(batch.rows, out.accept_probs, out.tv, strict=True):

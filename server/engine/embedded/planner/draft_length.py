@@ -14,15 +14,15 @@ Terms
               conditional mean of the 0/1 outcome: same expectation, less noise), S = PRIOR_STRENGTH.
     E(β, n)   expected tokens a round emits: 1 + β + … + β^n (n capped at the tokens the request
               has left − 1: drafts past its end are never emitted).
-    needs_q   the row draws its bonus (and, at n = 0, its only token) from ν = w·p + (1−w)·q,
-              which needs the draft's q after the last proposal: one more draft step when all n
-              drafts are accepted (probability β^n), always at n = 0. Rows with w = 1 (ν = p)
-              and baseline policies do not.
-    from p    an adaptive row with w < 1 at n = 0 draws its token from p instead of ν when the
-              engine allows it (`Row.p_when_undrafted`, the default): ν there would cost a draft step
-              per token, which is what the planner just found not to pay. Such a row costs what a
-              w = 1 row costs at n = 0, so no tier is slower than plain decoding and a lower
-              quality is never slower; where drafting pays, every token follows ν.
+    draws_nu  the row draws the tokens no draft proposed (the bonus, and at n = 0 its only token)
+              from ν = w·p + (1−w)·q (`RowMode.draws_nu`: strict rows with w < 1), which needs the
+              draft's q after the last proposal: one more draft step when all n drafts are
+              accepted (probability β^n), always at n = 0. Every other row draws them from p:
+              w = 1 rows (ν = p), baseline policies, and adaptive w < 1 rows unless the engine
+              runs `--strict-nu` (ν there costs a draft step and buys no token, and p is the
+              higher-quality law). Such a row costs what a w = 1 row costs at any n, so at the
+              same acceptance a lower quality is never slower, and no tier is slower than plain
+              decoding; the planner charges the bonus step to exactly the rows that take it.
     lag       tokens the draft cache is behind: rows at w = 1 feed their prompt to the draft only
               when they first draft, and fall behind while they decode without drafts. Drafting
               (or a bonus step) first feeds the lag to the draft: `catchup`, the cost of one draft
@@ -89,7 +89,7 @@ def log_grid(seconds: float) -> float:
 def catch_up_size(lags: Sequence[int]) -> int:
     """M, the tokens of the catch-up forward a drafting round runs for rows whose draft is `lag` > 2
     tokens behind: one right-padded forward over all but each row's last pending token
-    (`step._feed_pending`), so M = (rows behind) × (longest lag − 1); 0 if none is."""
+    (`round._feed_pending`), so M = (rows behind) × (longest lag − 1); 0 if none is."""
     behind = [lag for lag in lags if lag > 2]
     return len(behind) * (max(behind) - 1) if behind else 0
 
@@ -112,8 +112,7 @@ class RowChoice(NamedTuple):
     step and keys its plan cache on them, and a frozen dataclass cost ~3x as much to build)."""
 
     beta: float  # acceptance estimate
-    needs_q: bool = False  # bonus from ν with w < 1 (see the module doc)
-    q_at_zero: bool = True  # ... also at n = 0 (False: it draws from p there, see "from p")
+    draws_nu: bool = False  # the bonus (at n = 0 the token) from ν: a draft step (see the module doc)
     fixed: int | None = None  # a per-request num_draft (or 0 for autoregressive rows): not adapted
     catchup: float = 0.0  # seconds per round charged when the draft runs for this row (see lag)
     cap: int | None = None  # drafts past this many cannot be emitted (tokens left − 1): no gain
@@ -197,14 +196,10 @@ def goodput(
         groups.setdefault(n, []).append(row)
     seconds = step + extra
     for n, group in groups.items():
-        seconds += round_time(len(group), n, bonus_steps([r.beta for r in group if draws_q(r, n)], n))
-        seconds += sum(r.catchup for r in group if n or draws_q(r, n))
+        seconds += round_time(len(group), n, bonus_steps([r.beta for r in group if r.draws_nu], n))
+        seconds += sum(r.catchup for r in group if n or r.draws_nu)
     tokens = sum(expected_tokens(r.beta, _useful(r, n)) for r, n in zip(rows, ns, strict=True))
     return tokens / seconds if seconds > 0 else math.inf
-
-
-def draws_q(row: RowChoice, n: int) -> bool:
-    return row.needs_q and (n > 0 or row.q_at_zero)
 
 
 def _useful(row: RowChoice, n: int) -> int:
@@ -212,7 +207,7 @@ def _useful(row: RowChoice, n: int) -> int:
 
 
 def bonus_steps(needy_betas: Sequence[float], n: int) -> float:
-    """Expected bonus draft steps of a round: P(some row that needs q accepts all n drafts)."""
+    """Expected bonus draft steps of a round: P(some row that draws from ν accepts all n drafts)."""
     if not needy_betas:
         return 0.0
     if n == 0:
@@ -248,7 +243,7 @@ class _Search:
 
     def _parts(self, ns: Sequence[int], skip: int = -1) -> tuple[float, float]:
         """(expected tokens, seconds) of a step with one n per class, class `skip` left out."""
-        groups: dict[int, list] = {}  # n -> [rows, P(no bonus step), any row needs q, catch-up s]
+        groups: dict[int, list] = {}  # n -> [rows, P(no bonus step), any row draws ν, catch-up s]
         tokens = 0.0
         for c, n in enumerate(ns):
             if c == skip:
@@ -259,7 +254,7 @@ class _Search:
             if g is None:
                 g = groups[n] = [0, 1.0, False, 0.0]
             g[0] += k
-            needy = draws_q(row, n)
+            needy = row.draws_nu
             if needy:
                 g[1] *= self.no_bonus[c][n]
                 g[2] = True
@@ -286,7 +281,7 @@ class _Search:
         for n in range(len(self.tokens[c])):
             if n in used:
                 continue
-            needy = draws_q(row, n)
+            needy = row.draws_nu
             s = seconds + self.round_time(k, n, 1.0 - self.no_bonus[c][n] if needy else 0.0)
             s += k * row.catchup if n or needy else 0.0
             score = (tokens + self.tokens[c][n]) / s if s > 0 else math.inf

@@ -2,7 +2,7 @@
 
     prefill(models, rows)        one right-padded forward per model over the rows admitted together
     first_tokens(models, rows, h) the first token of each row from the target's state at its last
-                                 prompt position: a round with N = 0 (`step.py`) whose target
+                                 prompt position: a round with N = 0 (`round.py`) whose target
                                  forward was the prefill
 
 Sampling the first token from the prefill saves plain decoding's first step (a forward of its own
@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from server.engine.row import Row
-from server.engine.step import (
-    Models,
+from server.engine.embedded.models import Models
+from server.engine.embedded.round import (
     RoundBatch,
     Scores,
     advance,
@@ -23,8 +22,8 @@ from server.engine.step import (
     check,
     draft,
     ensemble_weights,
-    wants_q,
 )
+from server.engine.embedded.row import Row
 
 _PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward (bounds the [R, P, P] mask)
 
@@ -36,7 +35,7 @@ def prefill(models: Models, rows: list[Row]) -> None:
     The target reads the whole prompt; its state at the last prompt position gives p for the first
     token, drawn here (`first_tokens`): plain decoding's first step comes with the prefill instead
     of costing a forward of its own (as in vLLM and SGLang). The draft reads `prompt[:-1]` when the
-    row will surely draft (`Row.eager_draft`): the last prompt token is fed with its first proposal,
+    row will surely draft (`RowMode.eager_draft`): the last prompt token is fed with its first proposal,
     or by the first token's bonus step for rows that draw it from ν. Rows that decode from the draft
     alone skip the target; their first token comes from their first draft-only round. Rows admitted
     together share one right-padded forward per model: padding lands past each row's length, where
@@ -45,8 +44,10 @@ def prefill(models: Models, rows: list[Row]) -> None:
     dev = models.device
     whole = models.first_token_from_prefill  # else the target reads prompt[:-1] and no token is drawn
     for row in rows:
-        row.tlen = 0 if row.draft_only else len(row.seq) - (not whole)  # quality 0 never runs the target
-        row.dlen = len(row.seq) - 1 if row.eager_draft else 0  # a lazy draft catches up when it first runs
+        row.tlen = 0 if row.mode.draft_only else len(row.seq) - (not whole)  # quality 0 never runs the target
+        row.dlen = (
+            len(row.seq) - 1 if row.mode.eager_draft else 0
+        )  # a lazy draft catches up when it first runs
     todo = sorted(rows, key=lambda row: len(row.seq))
     last_states: dict[int, torch.Tensor] = {}  # id(row) -> the target's state at its last prompt token
     while todo:
@@ -59,11 +60,11 @@ def prefill(models: Models, rows: list[Row]) -> None:
         )  # [R, P]
         slots = torch.tensor([row.slot for row in group], device=dev)  # [R]
         starts = torch.zeros(len(group), dtype=torch.long, device=dev)  # [R]
-        drafted = [i for i, row in enumerate(group) if row.eager_draft]
+        drafted = [i for i, row in enumerate(group) if row.mode.eager_draft]
         if drafted and width > 1:
             t, sl, st = _select(drafted, tokens, slots, starts)
             models.draft(t[:, :-1], sl, st, models.draft_cache)
-        targeted = [i for i, row in enumerate(group) if not row.draft_only]
+        targeted = [i for i, row in enumerate(group) if not row.mode.draft_only]
         if targeted and not whole:
             if width > 1:
                 t, sl, st = _select(targeted, tokens, slots, starts)
@@ -99,6 +100,6 @@ def first_tokens(models: Models, rows: list[Row], hidden: torch.Tensor) -> None:
     drafts = draft(models, b)  # N = 0: no drafts
     weights, per_position = ensemble_weights(models, b, drafts, scores)
     out = check(b, drafts, scores, weights)
-    if any(wants_q(row) for row in rows):
+    if any(row.mode.draws_nu for row in rows):
         bonus(models, b, drafts, scores, out)
     advance(b, out, per_position)

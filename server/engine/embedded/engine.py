@@ -10,7 +10,7 @@ Terms
     max_context prompt + completion tokens a request may use; requests that cannot fit are
                 rejected before the first chunk (EngineError 'invalid_request').
     head        optional learned weight head, `head(h_draft [R,N,Hd], h_target [R,N,Ht], dial [R])
-                -> w [R,N]` in [0,1]; used by requests with a `VerifyOptions.dial`.
+                -> w [R,N]` in [0,1]; used by requests with a `Verification.dial`.
 The model math runs on a scheduler thread (see `scheduler.py`); chunks cross to the caller's event
 loop through an `asyncio.Queue`.
 """
@@ -27,7 +27,10 @@ from pathlib import Path
 
 import torch
 
-from server.engine.dtype_choice import DTYPES, choose_dtype
+from server.engine.embedded.dtype_choice import DTYPES, choose_dtype
+from server.engine.embedded.models import Models, WeightHead
+from server.engine.embedded.row import Row, RowMode
+from server.engine.embedded.scheduler import Scheduler
 from server.engine.protocol import (
     EngineError,
     EngineInfo,
@@ -36,9 +39,6 @@ from server.engine.protocol import (
     SamplingOptions,
     check_sampling,
 )
-from server.engine.row import Row
-from server.engine.scheduler import Scheduler
-from server.engine.step import Models, WeightHead
 from verifier.dial import DEFAULT_AUTO_DIAL, DialError
 
 
@@ -73,10 +73,11 @@ class EmbeddedEngineConfig:
     served_name: str | None = None  # default: the target directory's name
     head: WeightHead | str | Path | None = None  # a callable, or a directory saved by head_store
     max_num_draft: int = 8  # largest N, per request or adaptive (cache slack is sized by it)
-    # Adaptive rows with w < 1 in rounds where the planner drafts nothing: True draws their token
-    # from p (what the target gives, at the cost of plain decoding), False from ν, which needs a
-    # draft step per token: exactly ν everywhere, but such a tier is then slower than plain
-    # decoding wherever drafting cannot pay (docs/algorithm.md, "Rounds without drafts").
+    # Adaptive rows with w < 1, at the tokens no draft proposed (an N = 0 round's token, the bonus
+    # after N accepted drafts, the first token): True draws them from p (free, and the higher-
+    # quality law), False from ν, which costs a draft step each: exactly ν everywhere
+    # (`--strict-nu`), but a lower quality can then be slower than a higher one, and a tier
+    # slower than plain decoding (row.RowMode.draws_nu; docs/algorithm.md, "Rounds without drafts").
     p_when_undrafted: bool = True
     # Each request's first token from its prompt prefill's last position (an N = 0 round: from p,
     # or from ν for rows that draw from ν there), saving a target forward per request. False: the
@@ -84,7 +85,11 @@ class EmbeddedEngineConfig:
     # the request's own rule — what `dialspec eval` and training compare methods on (a baseline
     # policy has no rule without a draft and would get p's token at position 1 for free).
     first_token_from_prefill: bool = True
-    profile_budget_s: float = 3.0  # the start-up cost profile's time budget (cost_model.py)
+    profile_budget_s: float = 3.0  # the start-up cost profile's time budget (planner/cost_profile.py)
+    # Benchmarks only: accept each draft with probability 1 − w·forced_tv instead of the verifier's
+    # verdict (every forward, check and bonus step still runs; `round.force_acceptance`), so random-
+    # weight pairs of real shapes run at a real pair's acceptance. Output follows no law. None: off.
+    forced_tv: float | None = None
     cache_dir: str | Path | None = None  # cost models and dtype choices; None = not cached
     max_waiting: int = 256  # queue bound; beyond it requests get EngineError 'capacity'
     # Intra-op CPU threads of the scheduler thread (OpenMP settings are per thread, so callers'
@@ -106,11 +111,13 @@ class EmbeddedEngineConfig:
             self.dtype = DTYPES[self.dtype]
         if self.dtype is None:
             self.dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        if self.forced_tv is not None and not 0.0 <= self.forced_tv <= 1.0:
+            raise ValueError(f"forced_tv must lie in [0, 1], got {self.forced_tv}")
         return self
 
 
 def _num_params(path: Path) -> int:
-    from server.engine.llama import ModelArgs
+    from server.engine.embedded.model.llama import ModelArgs
 
     a = ModelArgs.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
     per_layer = a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
@@ -179,9 +186,9 @@ class EmbeddedEngine:
             return self._load_models(device, threads)
 
     def _load_models(self, device: torch.device, threads: int | None) -> Models:
-        from server.engine.cost_profile import load_or_profile
-        from server.engine.draft_planner import DraftPlanner
-        from server.engine.llama import load_model
+        from server.engine.embedded.model.llama import load_model
+        from server.engine.embedded.planner.cost_profile import load_or_profile
+        from server.engine.embedded.planner.draft_planner import DraftPlanner
 
         c = self.config
         cache_dir = Path(c.cache_dir) if c.cache_dir is not None else None
@@ -204,12 +211,15 @@ class EmbeddedEngine:
             head=self.head.to(device).eval() if isinstance(self.head, torch.nn.Module) else self.head,
             num_threads=threads,
             first_token_from_prefill=c.first_token_from_prefill,
+            forced_tv=c.forced_tv,
         )
         cost = load_or_profile(models, c.max_batch, c.max_num_draft, c.profile_budget_s, cache_dir)
         models.planner = DraftPlanner(cost, c.max_num_draft, max_batch=c.max_batch)
         self.info.runtime.update(dtype=str(c.dtype).removeprefix("torch."), device=str(device))
         self.info.runtime["draft_length"] = "adaptive" if c.num_draft is None else c.num_draft
-        # Where adaptive w < 1 rows draw from when no drafts pay: "p" (default) or "nu" (--strict-nu).
+        if c.forced_tv is not None:  # a bench's timing engine: its output follows no law
+            self.info.runtime["forced_tv"] = c.forced_tv
+        # Where adaptive w < 1 rows draw the tokens no draft proposed: "p" (default) or "nu" (--strict-nu).
         self.info.runtime["undrafted_rounds_draw_from"] = "p" if c.p_when_undrafted else "nu"
         # Static w = 0 (ν = q) on adaptive rows decodes from the draft alone (draft_only.py).
         self.info.runtime["quality_zero"] = "draft only" if c.num_draft is None else "speculative"
@@ -265,7 +275,7 @@ class EmbeddedEngine:
         """Keep what the rounds taught the cost model for the next start (when caching)."""
         if self.config.cache_dir is None or sched.models.planner is None:
             return
-        from server.engine.cost_profile import cache_key, cache_path, save
+        from server.engine.embedded.planner.cost_profile import cache_key, cache_path, save
 
         save(sched.models.planner.cost, cache_path(Path(self.config.cache_dir), cache_key(sched.models)))
 
@@ -356,16 +366,15 @@ class EmbeddedEngine:
         fixed = 0 if v.mode == "autoregressive" else (v.num_draft or c.num_draft)
         try:
             request = replace(request, sampling=s)
-            adaptive = fixed is None
             # Quality 0 may skip the target unless a benchmark pins every row's N (planner.force).
             planner = self.scheduler.models.planner if self.scheduler is not None else None
             pinned_top = bool(getattr(getattr(self.head, "config", None), "exact_at_full_dial", False))
-            return Row(
-                request, sink, fixed or 0, self.tokenizer, self.eos_ids, adaptive=adaptive,
-                p_when_undrafted=adaptive and c.p_when_undrafted,
-                allow_draft_only=adaptive and planner is not None and planner.force is None,
+            mode = RowMode.of(
+                v, fixed, strict_nu=not c.p_when_undrafted,
+                allow_draft_only=planner is not None and planner.force is None,
                 head_exact_at_top=pinned_top,
             )  # fmt: skip
+            return Row(request, sink, fixed or 0, self.tokenizer, self.eos_ids, mode)
         except ValueError as exc:  # e.g. Policy parameter ranges
             raise EngineError(str(exc), "invalid_request") from exc
 

@@ -7,7 +7,7 @@ Terms
     M           tokens in one forward, the size the cost mostly depends on (`_size`): R·T for the
                 target, R for a draft step (and a catch-up forward over L tokens is M = L),
                 R·(n + 1) for the check.
-    stages      (the stages of `server/engine/step.py`)
+    stages      (the stages of `server/engine/embedded/round.py`)
       draft     one draft forward of one token per row, its sampling transform and pick, run
                 right after another draft step: t_draft(R)
       first_draft  the same forward right after the target's (a round's first draft step, which
@@ -23,7 +23,7 @@ Terms
                 a draft step between target forwards (the embedded pair: 1.35 vs 2.2 ms at R = 8);
                 learned from those rounds only, `draft` until one has run
       catch_up  one draft forward over the M tokens a lagging draft has not read (rows that feed
-                the draft only when they first draft, `step._feed_pending`): learned from the
+                the draft only when they first draft, `round._feed_pending`): learned from the
                 catch-ups rounds run, over M on a half-octave grid (`draft_length.catch_up_bucket`:
                 prompt lengths rarely repeat); until one has run, `draft`'s cost at M (a prompt's
                 worth of tokens is read in one forward, as a batch of M draft steps would be)

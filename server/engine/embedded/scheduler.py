@@ -5,7 +5,7 @@ Terms
     running   rows holding a slot and decoding; `load()['running']`.
     step      one pass of the loop: retire cancelled rows, admit waiting rows into free slots
               (prefilled together in one padded forward), then one round per draft-length group
-              (see `step.py`).
+              (see `round.py`).
               Rows join and leave only between steps, so a step's tensors never change shape.
 
 Draft length: before the rounds of a step, the draft-length planner (`draft_planner.py`) sets N
@@ -45,12 +45,13 @@ from collections.abc import Callable
 
 import torch
 
-from server.engine.draft_only import run_draft_only_round
-from server.engine.prefill import prefill
+from server.engine.embedded.draft_only import run_draft_only_round
+from server.engine.embedded.models import Models
+from server.engine.embedded.prefill import prefill
+from server.engine.embedded.round import run_round
+from server.engine.embedded.row import Row
+from server.engine.embedded.timers import StepTimers
 from server.engine.protocol import EngineError
-from server.engine.round_timers import StepTimers
-from server.engine.row import Row
-from server.engine.step import Models, run_round
 
 log = logging.getLogger("dialspec.engine")
 
@@ -69,11 +70,6 @@ class Scheduler:
         self._stopping = False
         self.fault: BaseException | None = None  # unrecoverable: set once, the loop has stopped
         self.faults = 0  # requests failed by an isolated fault (the engine went on)
-
-    @property
-    def error(self) -> BaseException | None:
-        """Alias of `fault` for callers that poll for an engine failure."""
-        return self.fault
 
     # -- thread-safe API -------------------------------------------------------------------
     def submit(self, row: Row) -> None:
@@ -183,7 +179,7 @@ class Scheduler:
                 planner.assign(live)
         groups: dict[tuple[bool, int], list[Row]] = {}
         for row in live:
-            groups.setdefault((row.draft_only, row.num_draft), []).append(row)
+            groups.setdefault((row.mode.draft_only, row.num_draft), []).append(row)
         rounds_s = 0.0
         for (_, n), rows in sorted(groups.items()):
             seconds = self._round(rows, n, planner.predict(rows, n) if planner is not None else None)
@@ -298,5 +294,5 @@ class Scheduler:
 
 def _run(models: Models, rows: list[Row], n: int, timers: StepTimers) -> float:
     """One round of a group: the draft alone for quality-0 rows (`draft_only.py`), else speculative."""
-    runner = run_draft_only_round if rows[0].draft_only else run_round
+    runner = run_draft_only_round if rows[0].mode.draft_only else run_round
     return runner(models, rows, n, timers)

@@ -11,14 +11,24 @@ import math
 import platform
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from server.engine.cost_model import CostModel
+from server.engine.embedded.model.kv_cache import KVCache
+from server.engine.embedded.model.llama import Transformer
+from server.engine.embedded.planner.cost_model import CostModel
 
-if TYPE_CHECKING:
-    from server.engine.step import Models
+
+class ProfiledPair(Protocol):
+    """What profiling reads of the engine's `models.Models` (the planner sits below it)."""
+
+    target: Transformer
+    draft: Transformer
+    target_cache: KVCache
+    draft_cache: KVCache
+    device: torch.device
+    num_threads: int | None
 
 
 def device_name(device: torch.device) -> str:
@@ -33,21 +43,31 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+ROOT = Path(__file__).resolve().parents[4]
+
+
+def timed_sources(root: Path = ROOT) -> list[Path]:
+    """The sources cached timings were measured with: the embedded engine (its model, round,
+    planner, ...; not its bench, which only reads the engine) and the verifier."""
+    embedded = root / "server" / "engine" / "embedded"
+    engine = [f for f in embedded.rglob("*.py") if "bench" not in f.relative_to(embedded).parts]
+    return sorted([*engine, *(root / "verifier").rglob("*.py")])
+
+
 @functools.cache
-def code_digest() -> str:
-    """A digest of the engine's and the verifier's source, which is what cached timings were
-    measured with: an edit there (another kernel path, a cheaper transform) invalidates cached
-    cost models and dtype choices instead of leaving decisions measured on older code (a cached
-    dtype probe once kept float32 for a pair that runs 2x faster in bfloat16)."""
-    root = Path(__file__).resolve().parents[2]
+def code_digest(root: Path = ROOT) -> str:
+    """A digest of `timed_sources`: an edit there (another kernel path, a cheaper transform)
+    invalidates cached cost models and dtype choices instead of leaving decisions measured on
+    older code (a cached dtype probe once kept float32 for a pair that runs 2x faster in bfloat16).
+    Paths are hashed relative to the root: several of these files share a name (`__init__.py`)."""
     h = hashlib.sha256()
-    for f in sorted([*(root / "server" / "engine").glob("*.py"), *(root / "verifier").glob("*.py")]):
-        h.update(f.name.encode())
+    for f in timed_sources(root):
+        h.update(f.relative_to(root).as_posix().encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 
-def cache_key(models: Models) -> dict:
+def cache_key(models: ProfiledPair) -> dict:
     """What a cached model is valid for: the pair's shapes, device, dtype, threads, torch, code."""
     t, d = models.target, models.draft
     return {
@@ -74,7 +94,7 @@ def _sync(device: torch.device) -> None:
 class _Stages:
     """The round's stages on dummy inputs, in the engine's own caches (free before serving)."""
 
-    def __init__(self, models: Models):
+    def __init__(self, models: ProfiledPair):
         self.m = models
         self.dev = models.device
         self.vocab = models.target.args.vocab_size
@@ -88,7 +108,9 @@ class _Stages:
         starts = torch.full((r,), self.ctx, dtype=torch.long, device=self.dev)  # [R]
         return logits_to_probs(model.logits(model(tokens, slots, starts, cache, True)))  # [R, T, V]
 
-    def run(self, kind: str, r: int, t: int) -> None:
+    def run(self, kind: str, r: int, t: int) -> float | None:
+        """Run one stage; the seconds of its timed part where it times itself (`first_draft`,
+        `check`: the set-up around them is not the stage), else None (the caller times it)."""
         from verifier import sample_inverse_cdf, verify
 
         m = self.m
@@ -159,7 +181,7 @@ def _plan(max_batch: int, max_n: int, catch_up: int = 64) -> list[tuple[str, int
     return out
 
 
-def profile(models: Models, max_batch: int, max_num_draft: int, budget_s: float = 3.0) -> CostModel:
+def profile(models: ProfiledPair, max_batch: int, max_num_draft: int, budget_s: float = 3.0) -> CostModel:
     """Measure the stages within about `budget_s` seconds (the first point is always measured;
     a point whose predicted cost would overrun the budget is skipped).
 
@@ -190,7 +212,7 @@ def profile(models: Models, max_batch: int, max_num_draft: int, budget_s: float 
 
 
 def load_or_profile(
-    models: Models, max_batch: int, max_num_draft: int, budget_s: float, cache_dir: Path | None
+    models: ProfiledPair, max_batch: int, max_num_draft: int, budget_s: float, cache_dir: Path | None
 ) -> CostModel:
     """The cached model for this pair shape + device + dtype + threads, else a fresh profile
     (written to the cache when `cache_dir` is set)."""
@@ -212,7 +234,7 @@ def load_or_profile(
     return model
 
 
-def recalibrate(model: CostModel, models: Models) -> float:
+def recalibrate(model: CostModel, models: ProfiledPair) -> float:
     """Scale a cached model to this host's speed now; returns the factor (also in `meta`).
 
     A cache keeps the speeds of the minutes it was profiled in, and this host's speed swings by up

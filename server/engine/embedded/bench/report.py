@@ -122,6 +122,38 @@ def held_out_ratio(adaptive: BenchRow, fixed: list[BenchRow]) -> tuple[float, li
     return sum(ratios) / trials, picks
 
 
+def noise_floor(by: dict, c: int) -> float:
+    """The run's noise floor at concurrency c: AR control / AR folded below 1 (1 without a control)."""
+    ar, control = by.get(("dialspec_ar", c)), by.get(("dialspec_ar_control", c))
+    if ar is None or control is None:
+        return 1.0
+    ratio = control.tokens_per_s / ar.tokens_per_s
+    return min(ratio, 1.0 / ratio)
+
+
+def tier_order(rows: list[BenchRow], c: int, floor: float) -> dict[str, dict]:
+    """Each tier >= the next higher tier (within the noise floor): a lower quality is never slower.
+    One line per adjacent pair of adaptive rows, and per pinned N of the sweep its worst pair."""
+    out = {}
+    groups: dict[int | None, list[BenchRow]] = {}
+    for r in rows:
+        if r.concurrency == c and r.tier and r.weight is not None:
+            groups.setdefault(r.fixed_n, []).append(r)
+    for n, group in sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        ordered = sorted(group, key=lambda r: -r.weight)  # exact first
+        pairs = [(lower, higher) for higher, lower in zip(ordered, ordered[1:], strict=False)]
+        if n is not None and pairs:  # the sweep: its worst pair per N
+            pairs = [min(pairs, key=lambda p: p[0].tokens_per_s / p[1].tokens_per_s)]
+        for lower, higher in pairs:
+            paired = paired_ratio(lower, higher)
+            note = "" if paired is None else f"per-trial median: {paired:.3f}"
+            at = "adaptive" if n is None else f"N={n} (worst pair)"
+            out[f"tier order {at}: {lower.tier} / {higher.tier}, c={c}"] = _target(
+                lower.tokens_per_s / higher.tokens_per_s, round(floor, 3), note=note
+            )
+    return out
+
+
 def check_targets(rows: list[BenchRow], meta: dict) -> dict:
     """Issue 13's targets, each with the measured value and whether it is met."""
     by = {(r.method, r.concurrency): r for r in rows}
@@ -152,6 +184,7 @@ def check_targets(rows: list[BenchRow], meta: dict) -> dict:
             out[f"measured / predicted speedup where drafting pays (worst: {worst.tier}), c={c}"] = _target(
                 worst.measured_speedup / worst.predicted_speedup, MEASURED_OVER_PREDICTED
             )
+        out.update(tier_order(rows, c, noise_floor(by, c)))
         hf = by.get(("hf_generate", c))
         if hf is not None:  # on HF's workload (`runner.UNIFORM`) where that row ran
             same = by.get(("dialspec_ar_uniform", c), ar)
@@ -234,6 +267,11 @@ def to_markdown(report: dict) -> str:
         lines.append(
             f"target weights {bw['weight_bytes'] / 1e9:.2f} GB/token, copy bandwidth "
             f"{bw['copy_gb_per_s']:.1f} GB/s (read + write) -> limit {bw['limit_tokens_per_s']:.1f} tok/s\n"
+        )
+    if m.get("forced_tv") is not None:
+        lines.append(
+            f"**acceptance forced** (`--forced-tv {m['forced_tv']}`): each draft accepted with probability "
+            f"1 − w·{m['forced_tv']}, every forward, check and bonus step run for real; timing only\n"
         )
     if m.get("stopped_early"):
         lines.append(f"**stopped at --max-seconds {m['max_seconds']}: {m['stopped_early']}**\n")

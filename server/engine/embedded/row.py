@@ -9,15 +9,7 @@ Terms
             every draft of the last round was accepted without a bonus step (the draft had not
             consumed its own last proposal), or more after rounds without drafts.
     num_draft  N for this row's next round; 0 means no drafts.
-    p_when_undrafted  an adaptive row whose rounds without drafts draw from p, not ν (the engine's
-            `p_when_undrafted`): where the planner finds drafting does not pay, ν would cost a draft
-            step per token (`draft_length.py`, "from p"). `from_p`: this round is such a round.
-    draft_only  quality 0 (a static w = 0): ν = q, so the target is never needed. The row decodes
-            from the draft alone (`draft_only.py`): no target prefill, no target forward, no
-            verification. Only adaptive rows the engine may schedule freely (`allow_draft_only`);
-            a pinned N (per request, engine-wide, a benchmark's sweep) keeps the speculative path.
-    adaptive   N is chosen each round by the draft-length policy (`draft_length.py`); otherwise
-            `num_draft` is fixed (a per-request or engine-wide N, or 0 for autoregressive rows).
+    mode    how the row decodes (`RowMode`), fixed at admission.
     sink    callable receiving each `GenerationChunk`, or an `Exception` that ends the stream.
 """
 
@@ -30,10 +22,66 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.engine.detokenize import IncrementalDetokenizer, StopStringFilter
-from server.engine.draft_length import AcceptanceEstimate
+from server.engine.embedded.detokenize import IncrementalDetokenizer, StopStringFilter
+from server.engine.embedded.planner.draft_length import AcceptanceEstimate
 from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats, TokenTrace
 from verifier import Policy, PolicyKind
+from verifier.dial import Verification
+
+
+@dataclass(frozen=True)
+class RowMode:
+    """How a request decodes, decided once at admission (`RowMode.of`, from `make_row`).
+
+    adaptive     N is chosen each round by the planner (`planner/`); else `num_draft` is fixed (a
+                 per-request or engine-wide N, or 0 for autoregressive rows).
+    speculative  the draft may run for this row (adaptive, or a fixed N > 0).
+    uses_head    the learned head sets w_t. A learned row whose head pins w = 1 at the top of its
+                 dial (`HeadConfig.exact_at_full_dial`, d >= 1) is a static w = 1 row instead.
+    needs_q      ν ≠ p somewhere: an ensemble row with w < 1 (or a head) that may speculate.
+    draws_nu     the tokens no draft proposed (an N = 0 round's token, the bonus after N accepted
+                 drafts, the first token from the prefill) are drawn from ν. That needs the draft's
+                 q there, one more draft step, and buys no token: the same token drawn from p is
+                 free and of the higher-quality law. So only rows that must follow ν exactly draw
+                 from it (`needs_q` and strict: a fixed N, or the engine's `--strict-nu`); an
+                 adaptive w < 1 row otherwise draws those tokens from p, and its rounds cost what
+                 a w = 1 row's cost: a lower quality is never slower (docs/algorithm.md).
+    draft_only   quality 0 (a static w = 0): ν = q, so the target is never needed; the row decodes
+                 from the draft alone (`draft_only.py`). Only adaptive rows the engine may
+                 schedule freely; a pinned N (per request, engine-wide, a bench's sweep) keeps
+                 the speculative path.
+    eager_draft  the prefill feeds the prompt to the draft (it will surely run); other rows feed
+                 it when they first draft.
+    """
+
+    adaptive: bool = False
+    speculative: bool = False
+    uses_head: bool = False
+    needs_q: bool = False
+    draws_nu: bool = False
+    draft_only: bool = False
+    eager_draft: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        v: Verification,
+        fixed: int | None,
+        *,
+        strict_nu: bool = True,
+        allow_draft_only: bool = False,
+        head_exact_at_top: bool = False,
+    ) -> RowMode:
+        """`fixed`: the row's N, None for adaptive. `strict_nu`: adaptive rows draw from ν too."""
+        adaptive = fixed is None
+        speculative = adaptive or fixed > 0
+        uses_head = v.learned and not (head_exact_at_top and v.dial >= 1.0)
+        ensemble = v.policy == PolicyKind.ENSEMBLE
+        needs_q = speculative and ensemble and (uses_head or (not v.learned and v.weight < 1.0))
+        draws_nu = needs_q and (strict_nu or not adaptive)
+        draft_only = allow_draft_only and adaptive and ensemble and not v.learned and v.weight == 0.0
+        eager_draft = draft_only or draws_nu or (not adaptive and speculative)
+        return cls(adaptive, speculative, uses_head, needs_q, draws_nu, draft_only, eager_draft)
 
 
 @dataclass(eq=False)
@@ -43,6 +91,7 @@ class Row:
     num_draft: int
     tokenizer: object
     eos_ids: frozenset[int]
+    mode: RowMode | None = None  # None: a fixed N = `num_draft`, strict ν (direct callers, tests)
     slot: int = -1
     seq: list[int] = field(default_factory=list)
     tlen: int = 0
@@ -51,15 +100,13 @@ class Row:
     cancelled: bool = False
     done: bool = False
     stats: SpecStats = field(default_factory=SpecStats)
-    adaptive: bool = False
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
-    p_when_undrafted: bool = False
-    allow_draft_only: bool = False
-    head_exact_at_top: bool = False  # the engine's head pins w = 1 at d >= 1 (HeadConfig.exact_at_full_dial)
     rounds: int = 0  # rounds this row has advanced in (the scheduler's fault-isolation mark)
 
     def __post_init__(self):
         s, v = self.request.sampling, self.request.verify
+        if self.mode is None:
+            self.mode = RowMode.of(v, self.num_draft)
         self.seq = list(self.request.prompt_token_ids)
         self.prompt_len = len(self.seq)
         self.greedy = s.temperature <= 0
@@ -67,10 +114,11 @@ class Row:
         self.temperature = 1.0 if self.greedy else float(s.temperature)
         self.top_k = 0 if self.greedy else int(s.top_k)
         self.top_p = 1.0 if self.greedy else float(s.top_p)
-        self.weight = float(v.weight)  # static w
-        self.dial = v.dial  # the learned head's input, None for static rows
         self.learned = v.learned
-        self.policy = Policy(v.policy, v.lenience, v.alpha, v.epsilon, v.delta)
+        # static w; a learned row whose head is pinned at the top of its dial is a w = 1 row
+        self.weight = 1.0 if self.learned and not self.mode.uses_head else float(v.weight)
+        self.dial = v.dial  # the learned head's input, None for static rows
+        self.policy = Policy.of(v)
         self.stop_ids = frozenset(s.stop_token_ids) | (frozenset() if _ignore_eos(s) else self.eos_ids)
         seed = s.seed if s.seed is not None else random.SystemRandom().getrandbits(63)
         # Each row owns its random stream, so its draws do not depend on who shares the batch.
@@ -78,41 +126,8 @@ class Row:
         self.detok = IncrementalDetokenizer(self.tokenizer, self.seq)
         self.stopper = StopStringFilter(s.stop)
         self.stats.accepted_per_position = [0] * self.num_draft
-        self.speculative = self.adaptive or self.num_draft > 0  # the draft may run for this row
-        # The bonus (and at N = 0 the token) is drawn from ν = w·p + (1−w)·q, which needs q — unless
-        # w is 1 there: a static w = 1, or a head pinned to w = 1 at the top of its dial (ν = p).
-        pinned = self.learned and self.head_exact_at_top and self.dial >= 1.0
-        # A pinned row is a static w = 1 row in every round: its head would only return ones.
-        self.uses_head = self.learned and not pinned
-        if pinned:
-            self.weight = 1.0
-        self.needs_q = (
-            self.speculative
-            and self.policy.kind == PolicyKind.ENSEMBLE
-            and (self.uses_head or self.weight < 1.0)
-        )
-        # ν = q at w = 0 (`verifier.dial`): the draft's own samples are exactly ν's.
-        self.draft_only = (
-            self.allow_draft_only
-            and self.adaptive
-            and self.policy.kind == PolicyKind.ENSEMBLE
-            and not self.learned
-            and self.weight == 0.0
-        )
-        # Prefill the draft with the prompt only if it will surely run; adaptive rows that may skip
-        # it (w = 1, or p_when_undrafted) feed it when they first draft.
-        self.eager_draft = (
-            self.draft_only
-            or (self.needs_q and not self.p_when_undrafted)
-            or (self.num_draft > 0 and not self.adaptive)
-        )
         # The latest round as `_provenance` reads it: (k, w per position, N, bonus drawn from ν).
         self.last_round: tuple[int, list[float], int, bool] = (0, [], 0, False)
-
-    @property
-    def from_p(self) -> bool:
-        """This round (N = 0) draws from p, not ν (see `p_when_undrafted`)."""
-        return self.p_when_undrafted and self.needs_q and self.num_draft == 0
 
     def uniforms(self, count: int) -> torch.Tensor:
         """Next `count` uniforms `[count]` of this row's stream (drawn on CPU for determinism)."""
@@ -120,7 +135,7 @@ class Row:
 
     @property
     def draft_lag(self) -> int:
-        return len(self.seq) - self.dlen if self.speculative else 0
+        return len(self.seq) - self.dlen if self.mode.speculative else 0
 
     @property
     def tokens_left(self) -> int:
@@ -139,7 +154,7 @@ class Row:
         self.rounds += 1
         st = self.stats
         st.verify_steps += 1
-        if not n and self.needs_q and not bonus_from_nu:
+        if not n and self.mode.needs_q and not bonus_from_nu:
             st.target_only_rounds += 1
         if n:
             st.drafts += 1
@@ -205,8 +220,8 @@ class Row:
                 source = "corrected" if k < n else "bonus"
             if not ensemble or source == "target":
                 weight = None
-            elif source == "bonus":  # from ν (step.bonus) with its w; w = 1 rows keep p = ν
-                weight = float(weights[i]) if from_nu else self.weight
+            elif source == "bonus":  # from ν (round.bonus) with its w, else from p: ν at w = 1
+                weight = float(weights[i]) if from_nu else 1.0
             else:
                 weight = float(weights[i])
             out.append(TokenTrace(source, text, weight, i, n))

@@ -7,16 +7,17 @@
     w      = ensemble_weights(...)           static w per row, or the learned head's w_t [R, N]
     out    = check(batch, drafts, scores, w) one `verifier.verify` call for the whole group, read
                                              back to the host once (`Outcome`)
-    bonus(models, batch, drafts, scores, out)  rows with w < 1 that accepted all N drafts draw
+    bonus(models, batch, drafts, scores, out)  rows that draw from ν (`RowMode.draws_nu`: strict
+                                             rows with w < 1) and accepted all N drafts redraw
                                              their bonus from ν: one more draft step gives q there
     advance(batch, out, w)                   each row appends its k + 1 tokens; caches roll back
                                              by length (stale entries are masked, then overwritten)
 
 N = 0 is the same path: no draft forwards, a 1-position target forward, and `verify` with N = 0
-draws the token from p with the row's first verify coin (rows with w < 1 then take the draft's
-one step in `bonus` and draw from ν instead). The draft length is decided before a round by the
-scheduler (`draft_planner.DraftPlanner`); a round only ever sees one N. Every round emits tokens
-distributed exactly as ν, whatever its N.
+draws the token from p with the row's first verify coin (rows that draw from ν then take the
+draft's one step in `bonus` instead). The draft length is decided before a round by the scheduler
+(`planner.draft_planner.DraftPlanner`); a round only ever sees one N. Accepted drafts and
+corrections follow ν whatever N; the bonus and N = 0 tokens follow ν for `draws_nu` rows, else p.
 
 Terms
     pending   the tokens a cache has not consumed yet: 1 for the target (the last token); for the
@@ -29,32 +30,15 @@ Terms
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from server.engine.kv_cache import KVCache
-from server.engine.llama import Transformer
-from server.engine.round_timers import StepTimers
-from server.engine.row import Row
+from server.engine.embedded.models import Models
+from server.engine.embedded.row import Row
+from server.engine.embedded.timers import StepTimers
 from verifier import PolicyBatch, PolicyKind, logits_to_probs, pick_tokens, tv_estimates, verify
 from verifier.head import position_stats, wants_states, wants_stats
-
-WeightHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class Models:
-    target: Transformer
-    draft: Transformer
-    target_cache: KVCache
-    draft_cache: KVCache
-    device: torch.device
-    head: WeightHead | None = None
-    num_threads: int | None = None  # intra-op threads for the thread running the model math
-    planner: object | None = None  # `draft_length.DraftPlanner`: cost model + acceptance estimates
-    first_token_from_prefill: bool = True  # `prefill.py`; see `EmbeddedEngineConfig`
 
 
 def _param(rows: list[Row], name: str, device, dtype=torch.float32):
@@ -230,7 +214,7 @@ def _learned_weights(models: Models, b: RoundBatch, h_draft, h_target, p, q, sta
     `[R, T, Hd]`, `[R, T, Ht]` (for heads that read them) and p, q `[R, T, V]` at those positions
     (for heads that read their statistics). A batch of learned rows only, the usual case, skips the
     gather and scatter: on the embedded pair the head's path is per-op overhead."""
-    learned = [i for i, row in enumerate(b.rows) if row.uses_head]
+    learned = [i for i, row in enumerate(b.rows) if row.mode.uses_head]
     if not learned:
         return static
     idx = None if len(learned) == b.size else b.column(learned)  # [R'] or every row
@@ -257,7 +241,7 @@ def ensemble_weights(models: Models, b: RoundBatch, d: Drafts, s: Scores):
     Static rows pass their w as a float when the group agrees (verify broadcasts it), else `[R]`;
     learned rows get the head's `[R, N]` w_t from their states and dial."""
     r, n = b.size, b.n
-    if not any(row.uses_head for row in b.rows) or n == 0:
+    if not any(row.mode.uses_head for row in b.rows) or n == 0:
         return _param(b.rows, "weight", b.device), [[row.weight] * n for row in b.rows]
     static = b.column([row.weight for row in b.rows], torch.float32).view(-1, 1).expand(r, n)  # [R, N]
     weights = _learned_weights(models, b, d.hidden, s.hidden[:, :n], s.probs[:, :n], d.probs, static)
@@ -292,17 +276,43 @@ def check(b: RoundBatch, d: Drafts, s: Scores, weights) -> Outcome:
     return out
 
 
-def wants_q(row: Row) -> bool:
-    """The row draws its bonus (at N = 0: its token) from ν this round (see `Row.from_p`)."""
-    return row.needs_q and not row.from_p
+def force_acceptance(b: RoundBatch, d: Drafts, s: Scores, out: Outcome, weights: list, tv: float) -> None:
+    """The bench's forced acceptance (`EmbeddedEngineConfig.forced_tv`): the round's verdict,
+    computed for real, is replaced by accepting draft i with probability 1 − w_i·TV (w = 1 for
+    baseline policies) on the row's own verify coins; the token after the last accepted draft is
+    drawn from p there. Random-weight pairs accept almost nothing, so the planner decodes plainly
+    and the tiers' order at a real pair's acceptance (TV 0.1-0.3 for same-family pairs) stays
+    hidden; with this every forward, the check and the bonus step still run at real size. The
+    tokens follow neither p nor ν: for timing only, never for serving."""
+    n = b.n
+    if not n:
+        return
+    coins = b.u_verify[:, :n].tolist()  # [R][N]
+    drafted = d.tokens.tolist()  # [R][N]
+    ks, accept = [], []
+    for row, u, w in zip(b.rows, coins, weights, strict=True):
+        ensemble = row.policy.kind == PolicyKind.ENSEMBLE
+        probs = [1.0 - (w[i] if ensemble else 1.0) * tv for i in range(n)]
+        ks.append(next((i for i in range(n) if u[i] >= probs[i]), n))
+        accept.append(probs)
+    at = b.column(ks)  # [R]
+    p = s.probs[torch.arange(b.size, device=b.device), at]  # [R, V] p after the accepted drafts
+    last = pick_tokens(p, b.greedy, b.u_verify[:, n]).tolist()  # [R]
+    for i, (row, k) in enumerate(zip(b.rows, ks, strict=True)):
+        tested = min(k + 1, n)
+        out.num_accepted[i] = k
+        out.tokens[i] = drafted[i][:k] + [last[i]] + [-1] * (n - k)
+        out.accept_probs[i] = accept[i][:tested]
+        out.tv[i] = [] if row.greedy else [tv] * tested
 
 
 def bonus(models: Models, b: RoundBatch, d: Drafts, s: Scores, out: Outcome) -> None:
-    """Rows with w < 1 whose N drafts were all accepted (every such row at N = 0) redraw their
-    last token from ν at position N+1 with the same coin: one more draft step gives q there (it
-    feeds x_N, or at N = 0 the pending tokens). w = 1 rows keep their p draw (ν = p)."""
+    """Rows that draw from ν where no draft proposed (`RowMode.draws_nu`) and accepted all N drafts
+    (every such row at N = 0) redraw their last token from ν at position N+1 with the same coin:
+    one more draft step gives q there (it feeds x_N, or at N = 0 the pending tokens). Other rows
+    keep their p draw (ν itself where w = 1)."""
     n = b.n
-    idx = [i for i, row in enumerate(b.rows) if wants_q(row) and out.num_accepted[i] == n]
+    idx = [i for i, row in enumerate(b.rows) if row.mode.draws_nu and out.num_accepted[i] == n]
     out.bonus_rows = idx
     if not idx:
         return
@@ -360,7 +370,9 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> fl
         with timers.phase("verify_call", dev):
             weights, per_position = ensemble_weights(models, batch, drafts, scores)
             out = check(batch, drafts, scores, weights)
-        if any(wants_q(row) for row in rows):
+            if models.forced_tv is not None:
+                force_acceptance(batch, drafts, scores, out, per_position, models.forced_tv)
+        if any(row.mode.draws_nu for row in rows):
             with timers.phase("bonus", dev, count=0):
                 bonus(models, batch, drafts, scores, out)
             timers.bonus_steps += bool(out.bonus_rows)

@@ -22,7 +22,7 @@ no lossy/cascade/typical variants); one N per runtime (`--speculative-num-steps`
 may name only that N; the learned head only when the runtime was launched with one (`has_head`,
 the operator's statement, checked against the runtime's CUDA-graph settings at start).
 
-Readiness (`readiness()`): `server.engine.sglang_readiness`'s w = 0 probe, run at start and every
+Readiness (`readiness()`): `server.engine.sglang.readiness`'s w = 0 probe, run at start and every
 `probe.interval` seconds in the background; the gateway's `/ready` reads the cached result.
 
 No torch import: transformers' tokenizer is imported lazily, on first use.
@@ -40,8 +40,8 @@ from typing import Any
 import httpx
 
 from server.engine.protocol import EngineError, EngineInfo, GenerationChunk, GenerationRequest
-from server.engine.sglang_readiness import NOT_PROBED, PROBE_PROMPT, ProbeConfig, run_probe
-from server.engine.sglang_stream import StreamState, error_message, kind_for_status, stats_from_meta
+from server.engine.sglang.readiness import NOT_PROBED, PROBE_PROMPT, ProbeConfig, run_probe
+from server.engine.sglang.stream import StreamState, error_message, kind_for_status, stats_from_meta
 from verifier.dial import PolicyKind
 
 __all__ = ["SGLangEngine", "sampling_params_for", "stats_from_meta", "unsupported_reason"]
@@ -181,7 +181,7 @@ class SGLangEngine:
 
     async def readiness(self) -> str | None:
         """None when the last probe proved the plugin live, else the reason (see
-        server.engine.sglang_readiness). Answers from the cached result; never blocks on HTTP."""
+        server.engine.sglang.readiness). Answers from the cached result; never blocks on HTTP."""
         if self._client is None:
             return "the SGLang engine is not started"
         return self._not_ready

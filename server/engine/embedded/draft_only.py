@@ -17,16 +17,17 @@ Tokens are ν's exactly: x_i ~ q(· | prefix) is the ensemble's law at w = 0, po
 n (`DraftPlanner.assign`) is the engine's max draft length capped by the tokens the request has
 left: more tokens per round spread the round's fixed costs, while the round stays as long as a
 speculative one. The target cache is never filled (`Row.tlen` stays 0), so only rows that can
-never need the target run here (`Row.draft_only`: static w = 0, ensemble, not pinned to an N).
+never need the target run here (`RowMode.draft_only`: static w = 0, ensemble, not pinned to an N).
 """
 
 from __future__ import annotations
 
 import torch
 
-from server.engine.round_timers import StepTimers
-from server.engine.row import Row
-from server.engine.step import Models, RoundBatch, draft
+from server.engine.embedded.models import Models
+from server.engine.embedded.round import RoundBatch, draft
+from server.engine.embedded.row import Row
+from server.engine.embedded.timers import StepTimers
 
 
 @torch.inference_mode()
