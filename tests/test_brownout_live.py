@@ -157,7 +157,7 @@ def _level(url: str) -> int:
 
 @pytest.mark.slow
 def test_overload_on_the_embedded_engine_lowers_quality_within_floors_and_recovers(tiny_pair):
-    from server.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 
     target, draft = tiny_pair
     engine = EmbeddedEngine(
