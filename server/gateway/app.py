@@ -35,6 +35,7 @@ from server.gateway.responses import (
 from server.gateway.schemas import Limits, request_models
 from server.gateway.service import Gateway
 from server.gateway.settings import GatewaySettings
+from server.gateway.slow_clients import BodyDeadlineMiddleware
 from verifier.dial import AUTO, model_names
 
 
@@ -94,6 +95,8 @@ def create_app(
         max_body_bytes=settings.max_body_bytes,
         protected=protected,
     )
+    # Added last, so outermost: the deadline covers the guard's own reading of a chunked body.
+    app.add_middleware(BodyDeadlineMiddleware, seconds=settings.body_timeout_s)
     openapi.install(app, auth=bool(settings.api_keys), protected=protected)
 
     @app.post(

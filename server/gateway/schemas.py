@@ -96,6 +96,34 @@ def choice_rules(max_choices: int) -> list[dict]:
     ]
 
 
+def _lone_surrogate_path(value, path: str) -> str | None:
+    """The path (`messages.0.content`) of the first string in a decoded JSON value that holds a
+    lone surrogate, else None. JSON's `\\ud800` escape decodes to one; it is not Unicode text:
+    it cannot be encoded to UTF-8, so no tokenizer (or error message) can carry it."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        key = str(key)
+        found = _lone_surrogate_path(key, path) or _lone_surrogate_path(
+            item, f"{path}.{key}" if path else key
+        )
+        if found is not None:
+            return found
+    return None
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -172,6 +200,21 @@ class _Common(BaseModel):
         "the w applied at its position, as `dialspec_trace` in every choice and streamed chunk choice. "
         "Backends that cannot report it (SGLang) answer 400.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        """Every string of the body, at any depth, must be encodable text: checked once here, at
+        the edge, so nothing downstream (tokenizer, logs, JSON responses) meets a lone surrogate."""
+        where = _lone_surrogate_path(data, "")
+        if where is not None:
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "{param}: contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                "which is not valid Unicode text",
+                {"param": where},
+            )
+        return data
 
     @field_validator("stop")
     @classmethod
