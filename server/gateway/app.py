@@ -180,6 +180,7 @@ def create_app(
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         """Prometheus text exposition (see server/gateway/metrics.py for names and PromQL)."""
+        gw.metrics.ready.set(0 if await gw.readiness() else 1)
         return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -157,8 +157,8 @@ class StartingServer:
 
     It listens on a duplicate of the socket: the same kernel socket, so when it closes its
     duplicate the original stays open, and connections that arrive in between wait in the backlog
-    instead of being refused. Until `stop()` both servers accept; one that lands here in that
-    moment gets 503 `starting` and retries."""
+    instead of being refused. The real server calls `join()` once it listens (before it prints
+    its URL); a connection accepted here in that moment gets 503 `starting` and retries."""
 
     def __init__(self, sock: socket.socket, log_level: str = "warning"):
         import uvicorn
@@ -177,11 +177,9 @@ class StartingServer:
             time.sleep(0.005)
         return self
 
-    def stop(self) -> None:
-        """Ask it to exit (returns at once; safe from any thread)."""
-        self._server.should_exit = True
-
     def join(self) -> None:
-        self.stop()
-        self._thread.join()
+        """Stop it and wait until it has closed its listener (idempotent)."""
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join()
         self._listener.close()

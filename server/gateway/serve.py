@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
             create_app(engine, settings),
             {"log_level": args.log_level, "timeout_graceful_shutdown": 15},
             banner,
-            on_listening=starting.stop,
+            on_listening=starting.join,  # before the banner: from then on only the app answers
         )
         server.run(sockets=[sock])
     finally:

@@ -48,6 +48,7 @@ from server.gateway.streaming import (
     shutting_down,
     sse_events,
 )
+from verifier.dial import PolicyKind, verification_for
 
 log = logging.getLogger("dialspec.gateway")
 
@@ -66,6 +67,11 @@ class Gateway:
         max_running = settings.max_running or engine.info.max_batch
         self.admission = Admission(max_running, settings.max_waiting)
         self.metrics.bind_load(self.admission)
+        config = settings.dial_config()
+        self.metrics.set_acceptance_floors(
+            {t: verification_for(PolicyKind.ENSEMBLE, q, config).weight for t, q in config.tiers.items()},
+            engine.info.num_draft_limit,
+        )
         self.max_choices = min(settings.max_n, max_running)  # n x prompts, published as n's maximum
         self.ready = False  # the lifespan has started the engine
         self.draining = False
