@@ -293,11 +293,18 @@ def test_docs():
     assert len(commands) == 3, commands
     assert "None of the GPU deployment has been executed" in section
     details = (DEPLOY / "README.md").read_text()
+    # What stands in for execution is named, in both READMEs.
+    checks = ("yamllint", "check-jsonschema", "kubernetes-validate", "hadolint", "promtool test rules")
+    for needed in (*checks, "real Prometheus"):
+        assert needed in section and needed in details, f"README.md and deploy/README.md should name {needed}"
     for needed in (
         "DIALSPEC_BACKEND",
         "DIALSPEC_SGLANG_URL",
         "None of this has been executed",
         "--profile router",
         "kubectl",
+        "DialspecAcceptanceCollapse",
+        "fetch-tokenizer",
     ):
         assert needed in details, f"deploy/README.md should mention {needed}"
+    assert "not in the code yet" not in details, "the backend variables are handled (server/gateway/serve.py)"
