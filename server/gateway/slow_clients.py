@@ -75,6 +75,10 @@ class HeadDeadlineH11Protocol(H11Protocol):
             self._cycle_seen = self.cycle  # a new request's head has been parsed
             self._disarm_head_timer()
 
+    def handle_websocket_upgrade(self, event) -> None:
+        self._disarm_head_timer()  # the connection is a WebSocket's now (the gateway has none)
+        super().handle_websocket_upgrade(event)
+
     def on_response_complete(self) -> None:
         if not self.transport.is_closing():
             self._arm_head_timer()
