@@ -1,7 +1,8 @@
 """deploy/ checked by the rules of the tools users run, not by laxer ones (issue 29: a duplicate
 key that Docker Compose v2 refuses passed docker-compose 1.29 and PyYAML).
 
-    yamllint             every YAML file under deploy/: syntax and `key-duplicates`
+    yamllint             every YAML file under deploy/ (and the rules' tests, .hadolint.yaml):
+                         syntax and `key-duplicates`
     StrictLoader         the same files through a PyYAML loader that refuses duplicate keys
     check-jsonschema     each compose file against the Compose Specification's JSON schema (the
                          copy vendored in check-jsonschema: no network at test time)
@@ -24,7 +25,11 @@ import yaml
 
 from tests.deploy_files import COMPOSE_FILES, DEPLOY, K8S, ROOT, load_yaml, load_yaml_all, tool
 
-YAML_FILES = sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yml", ".yaml")) + [ROOT / ".hadolint.yaml"]
+YAML_FILES = [
+    *sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yml", ".yaml")),
+    *sorted((ROOT / "tests" / "prometheus").glob("*.yml")),  # the alert rules' unit tests
+    ROOT / ".hadolint.yaml",
+]
 # The oldest and newest Kubernetes minor versions the manifests are checked against.
 KUBERNETES_VERSIONS = ("1.33.0", "1.37.0")
 YAMLLINT_CONFIG = "{rules: {key-duplicates: enable}}"  # syntax errors are always reported
