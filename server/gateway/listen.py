@@ -160,11 +160,12 @@ class StartingServer:
     instead of being refused. The real server calls `join()` once it listens (before it prints
     its URL); a connection accepted here in that moment gets 503 `starting` and retries."""
 
-    def __init__(self, sock: socket.socket, log_level: str = "warning"):
+    def __init__(self, sock: socket.socket, settings=None, log_level: str = "warning"):
         import uvicorn
 
+        limits = uvicorn_limits(settings) if settings is not None else {}  # the same slow-client bounds
         self._server = uvicorn.Server(
-            uvicorn.Config(starting_app, log_level=log_level, timeout_keep_alive=1, lifespan="off")
+            uvicorn.Config(starting_app, **limits, log_level=log_level, lifespan="off")
         )
         self._listener = sock.dup()
         self._thread = threading.Thread(

@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Probes get 503 `starting` (not a refused connection) until the real server listens, which
     # is after the engine has loaded (the app's lifespan).
-    starting = StartingServer(sock).start()  # logs warnings only: one 'running on' line
+    starting = StartingServer(sock, settings).start()  # logs warnings only: one 'running on' line
     try:
         pair = choose_pair(args.target, args.draft, args.head) if args.backend == "embedded" else None
         try:
