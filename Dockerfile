@@ -50,7 +50,8 @@ RUN groupadd --system --gid 10001 dialspec \
 COPY --from=cpu-build /opt/venv /opt/venv
 COPY --from=cpu-build /app /app
 WORKDIR /app
-USER dialspec
+# Numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd (hadolint DL3066).
+USER 10001:10001
 EXPOSE 8000
 # Liveness (the process serves HTTP); readiness is GET /ready. The slim image has no curl.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \

@@ -53,8 +53,10 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
 
-# tests/test_deploy.py checks deploy/ statically with promtool and docker-compose (Debian packages,
-# installed once; CI runs as root). The test fails, never skips, when they are missing.
+# tests/test_deploy*.py check deploy/ with Debian's prometheus (the server and promtool, unpacked
+# into .venv/bin) and docker-compose, installed once (CI runs as root); yamllint,
+# check-jsonschema, kubernetes-validate and hadolint come with [dev]. The tests fail, never skip,
+# when a tool is missing.
 .PHONY: deploy-tools
 deploy-tools: $(STAMP)
 	sh deploy/scripts/install-test-tools.sh $(BIN)

@@ -142,9 +142,11 @@ class Verification:
         check_policy_params(self.lenience, self.alpha, self.epsilon, self.delta)
         n = self.num_draft
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise DialError(f"num_draft must be an integer >= 1, got {n!r}", "num_draft")
+            raise DialError(f"num_draft must be an integer >= 1, got {n!r}", "num_draft", "invalid_num_draft")
         if n is not None and max_num_draft is not None and n > max_num_draft:
-            raise DialError(f"num_draft must lie in [1, {max_num_draft}], got {n}", "num_draft")
+            raise DialError(
+                f"num_draft must lie in [1, {max_num_draft}], got {n}", "num_draft", "invalid_num_draft"
+            )
         return self
 
     # -- SGLang wire format -----------------------------------------------------------------

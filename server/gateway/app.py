@@ -35,6 +35,7 @@ from server.gateway.responses import (
 from server.gateway.schemas import Limits, request_models
 from server.gateway.service import Gateway
 from server.gateway.settings import GatewaySettings
+from server.gateway.slow_clients import BodyDeadlineMiddleware
 from verifier.dial import AUTO, model_names
 
 
@@ -96,6 +97,8 @@ def create_app(
         max_body_bytes=settings.max_body_bytes,
         protected=protected,
     )
+    # Added last, so outermost: the deadline covers the guard's own reading of a chunked body.
+    app.add_middleware(BodyDeadlineMiddleware, seconds=settings.body_timeout_s)
     openapi.install(app, auth=bool(settings.api_keys), protected=protected)
 
     @app.post(
@@ -180,6 +183,7 @@ def create_app(
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         """Prometheus text exposition (see server/gateway/metrics.py for names and PromQL)."""
+        gw.metrics.ready.set(0 if await gw.readiness() else 1)
         return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

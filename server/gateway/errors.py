@@ -124,6 +124,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
             name,
             "unsupported_parameter",
         )
+    if first.get("type") == "lone_surrogate":  # schemas._Common._valid_unicode: the path is in ctx
+        return msg, first["ctx"]["param"], "invalid_unicode"
     if first.get("type") == "json_invalid":
         return "request body is not valid JSON", None, "invalid_value"
     if first.get("type") == "missing" and param:

@@ -18,9 +18,9 @@ Useful PromQL:
         1 + sum by (tier) (rate(dialspec:spec_decode_num_accepted_tokens_total[5m]))
           / sum by (tier) (rate(dialspec:spec_decode_num_drafts_total[5m]))
     acceptance at draft position i (conditional on reaching it, vLLM style):
-        rate(dialspec:spec_decode_num_accepted_tokens_per_pos_total{position="i"}[5m])
-      / sum(rate(dialspec:spec_decode_num_drafts_total[5m]))
-    share of all generated tokens served by the draft alone:
+        sum by (position) (rate(dialspec:spec_decode_num_accepted_tokens_per_pos_total{position="i"}[5m]))
+      / scalar(sum(rate(dialspec:spec_decode_num_drafts_total[5m])))
+    share of all generated tokens served by the draft alone (quality 0 on an adaptive engine):
         sum(rate(dialspec:draft_only_tokens_total[5m])) / sum(rate(dialspec:generation_tokens_total[5m]))
     p99 time to first token:
         histogram_quantile(0.99, sum by (le) (rate(dialspec:time_to_first_token_seconds_bucket[5m])))
@@ -38,6 +38,21 @@ Brownout (brownout.py; `requested_tier` / `served_tier` take the `tier` label's 
         sum by (requested_tier, served_tier) (rate(dialspec:requests_by_quality_total[5m]))
     p99 queue time:
         histogram_quantile(0.99, sum by (le) (rate(dialspec:request_queue_time_seconds_bucket[5m])))
+
+Health (the alerts of deploy/prometheus/rules/dialspec-alerts.yml read these):
+    dialspec:ready                       1 when /ready would answer 200, else 0 (set at scrape)
+    dialspec:acceptance_floor{tier}      the lowest acceptance rate the tier's w allows for any
+                                         pair (`acceptance_floor` below); a tier's acceptance rate
+                                         under it means the dial is not applied (e.g. a runtime
+                                         serving stock SGLang without the plugin)
+
+More PromQL:
+    readiness of every gateway:
+        dialspec:ready
+    acceptance rate minus its floor, per tier (its expectation is >= 0 while the dial works):
+        sum by (tier) (rate(dialspec:spec_decode_num_accepted_tokens_total[15m]))
+      / sum by (tier) (rate(dialspec:spec_decode_num_draft_tokens_total[15m]))
+      - on (tier) max by (tier) (dialspec:acceptance_floor)
 
 Latency definitions: TTFT runs from request arrival (queueing included) to the first generated
 text; inter-token latency is the gap between successive output chunks of one sequence (one chunk per
@@ -157,8 +172,20 @@ class GatewayMetrics:
             pair,
             registry=r,
         )
+        self.ready = Gauge(p + "ready", "1 when /ready answers 200 (set at each scrape).", registry=r)
+        self.acceptance_floor = Gauge(
+            p + "acceptance_floor",
+            "Lowest accepted/proposed draft-token ratio the tier's ensemble weight w allows.",
+            ["tier"],
+            registry=r,
+        )
         self.running = Gauge(p + "num_requests_running", "Requests admitted and generating.", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued for admission.", registry=r)
+
+    def set_acceptance_floors(self, tier_weights: dict[str, float], max_num_draft: int) -> None:
+        """`acceptance_floor(w, N)` for every configured tier at the engine's largest N."""
+        for tier, w in tier_weights.items():
+            self.acceptance_floor.labels(tier=tier).set(acceptance_floor(w, max_num_draft))
 
     def bind_load(self, admission, brownout) -> None:
         """Gauges read the admission controller and brownout at scrape time (never stale)."""
@@ -188,3 +215,17 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def acceptance_floor(w: float, num_draft: int) -> float:
+    """The smallest expected accepted/proposed ratio of ensemble verification at weight w with
+    N = num_draft drafts per round, for any pair.
+
+    Each draft x ~ q is accepted with probability sum_x min(q(x), ν(x)) >= 1 - w, since
+    ν = w·p + (1-w)·q >= (1-w)·q pointwise; the chain stops at the first rejection, so position
+    k (1-based) is accepted with probability >= (1-w)^k, and the ratio counts N proposed:
+    (1/N)·sum_{k=1..N} (1-w)^k. A smaller N only raises it, so the largest N gives a floor for
+    adaptive rounds too. Stock SGLang ignores w (it verifies against p alone: w = 1), so a pair
+    whose own acceptance is below this floor shows the plugin missing."""
+    a = 1.0 - w
+    return sum(a**k for k in range(1, num_draft + 1)) / num_draft

@@ -2,7 +2,9 @@
 
 Unknown fields are ignored (clients send `store`, `metadata`, ...), except those in `UNSUPPORTED`:
 fields whose *absence* would change what the client gets back (tools, logprobs, response_format,
-...) are rejected with a 400 naming the field instead of being silently dropped.
+...) are rejected with a 400 naming the field instead of being silently dropped. Every string of a
+body, at any depth, must be Unicode text: a lone surrogate (JSON `\\ud800`) is a 400
+`invalid_unicode` naming its field (`_Common._valid_unicode`).
 
 dialspec extensions (top level; the `openai` client's `extra_body` puts them there):
     quality   number in [0, 1], a tier name, or "auto" (see verifier/dial.py)
@@ -97,6 +99,34 @@ def choice_rules(max_choices: int) -> list[dict]:
     ]
 
 
+def _is_text(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _lone_surrogate_path(value, path: str) -> str | None:
+    """The path (`messages.0.content`) of the first string in a decoded JSON value that holds a
+    lone surrogate, else None. JSON's `\\ud800` escape decodes to one; it is not Unicode text:
+    it cannot be encoded to UTF-8, so no tokenizer (or error message) can carry it. A bad *key*
+    is reported by its parent's path (the key itself cannot be quoted)."""
+    if isinstance(value, str):
+        return None if _is_text(value) else (path or "body")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and not _is_text(key):
+            return path or "body"
+        if isinstance(item, (str, dict, list)):  # token ids and numbers: nothing to check
+            found = _lone_surrogate_path(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    return None
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -180,6 +210,21 @@ class _Common(BaseModel):
         "the w applied at its position, as `dialspec_trace` in every choice and streamed chunk choice. "
         "Backends that cannot report it (SGLang) answer 400.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        """Every string of the body, at any depth, must be encodable text: checked once here, at
+        the edge, so nothing downstream (tokenizer, logs, JSON responses) meets a lone surrogate."""
+        where = _lone_surrogate_path(data, "")
+        if where is not None:
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "{param}: contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                "which is not valid Unicode text",
+                {"param": where},
+            )
+        return data
 
     @field_validator("stop")
     @classmethod

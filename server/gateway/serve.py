@@ -19,7 +19,7 @@ from pathlib import Path
 
 from server.cli_errors import CLIError
 from server.gateway.engines import choose_pair, embedded_engine, sglang_engine
-from server.gateway.listen import bind, make_server, url_of
+from server.gateway.listen import StartingServer, bind, make_server, url_of
 
 
 def register(subparsers) -> None:
@@ -151,7 +151,6 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(
             "--backend sglang needs --sglang-url and --tokenizer (or DIALSPEC_SGLANG_URL/_TOKENIZER)"
         )
-    pair = choose_pair(args.target, args.draft, args.head) if args.backend == "embedded" else None
     sock = bind(args.host, args.port)  # before loading models: a busy port fails in a second
 
     logging.basicConfig(
@@ -159,23 +158,32 @@ def run(args: argparse.Namespace) -> int:
     )
     from server.gateway.app import create_app
 
+    # Probes get 503 `starting` (not a refused connection) until the real server listens, which
+    # is after the engine has loaded (the app's lifespan).
+    starting = StartingServer(sock, settings).start()  # logs warnings only: one 'running on' line
     try:
-        engine = embedded_engine(args, pair) if pair else sglang_engine(args)
-    except Exception as exc:
+        pair = choose_pair(args.target, args.draft, args.head) if args.backend == "embedded" else None
+        try:
+            engine = embedded_engine(args, pair) if pair else sglang_engine(args)
+        except Exception as exc:
+            raise CLIError(f"cannot set up the {args.backend} engine: {type(exc).__name__}: {exc}") from None
+        url = url_of(args.host, sock)
+        banner = (
+            f"dialspec: serving '{engine.info.model}' at {url}/v1 (playground {url}/playground, "
+            f"docs {url}/docs, metrics {url}/metrics)"
+        )
+        # The gateway drains before uvicorn stops (listen.GatewayServer): by then every response has
+        # been ended, so uvicorn's own wait only lets the last bytes out.
+        server = make_server(
+            create_app(engine, settings),
+            {"log_level": args.log_level, "timeout_graceful_shutdown": 15},
+            banner,
+            on_listening=starting.join,  # before the banner: from then on only the app answers
+        )
+        server.run(sockets=[sock])
+    finally:
+        starting.join()
         sock.close()
-        raise CLIError(f"cannot set up the {args.backend} engine: {type(exc).__name__}: {exc}") from None
-
-    url = url_of(args.host, sock)
-    banner = (
-        f"dialspec: serving '{engine.info.model}' at {url}/v1 (playground {url}/playground, "
-        f"docs {url}/docs, metrics {url}/metrics)"
-    )
-    # The gateway drains before uvicorn stops (listen.GatewayServer): by then every response has
-    # been ended, so uvicorn's own wait only lets the last bytes out.
-    server = make_server(
-        create_app(engine, settings), {"log_level": args.log_level, "timeout_graceful_shutdown": 15}, banner
-    )
-    server.run(sockets=[sock])
     if not server.started:
         raise CLIError("the server did not start (the engine failed to load; see the log above)")
     return server.exit_code

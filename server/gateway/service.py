@@ -50,6 +50,7 @@ from server.gateway.streaming import (
     shutting_down,
     sse_events,
 )
+from verifier.dial import PolicyKind, verification_for
 
 log = logging.getLogger("dialspec.gateway")
 
@@ -67,10 +68,13 @@ class Gateway:
         self.metrics = GatewayMetrics()
         max_running = settings.max_running or engine.info.max_batch
         self.admission = Admission(max_running, settings.max_waiting)
-        self.brownout = Brownout(
-            settings.dial_config(), settings.brownout_ttft_s, max_running, self.admission.oldest_wait
-        )
+        config = settings.dial_config()
+        self.brownout = Brownout(config, settings.brownout_ttft_s, max_running, self.admission.oldest_wait)
         self.metrics.bind_load(self.admission, self.brownout)
+        self.metrics.set_acceptance_floors(
+            {t: verification_for(PolicyKind.ENSEMBLE, q, config).weight for t, q in config.tiers.items()},
+            engine.info.num_draft_limit,
+        )
         self.max_choices = min(settings.max_n, max_running)  # n x prompts, published as n's maximum
         self.ready = False  # the lifespan has started the engine
         self.draining = False

@@ -67,6 +67,17 @@ class GatewaySettings(BaseSettings):
     # Shutdown (SIGTERM): requests in flight get up to this long to finish; new ones get 503.
     drain_timeout_s: float = Field(30.0, ge=0)
 
+    # Slow clients (server/gateway/slow_clients.py): a request head must be complete this long
+    # after the connection opens (or the previous response ends), its body this long after the
+    # head (else 408); idle keep-alive connections close after keep_alive_timeout_s. Beyond
+    # max_connections open connections (or requests) uvicorn answers 503. Heads over
+    # max_header_bytes get 400. None of these bounds a streamed response.
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    keep_alive_timeout_s: float = Field(5.0, gt=0)
+    max_connections: int = Field(1024, ge=1)
+    max_header_bytes: int = Field(16384, ge=1024)
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value):
