@@ -69,7 +69,9 @@ class Gateway:
         max_running = settings.max_running or engine.info.max_batch
         self.admission = Admission(max_running, settings.max_waiting)
         config = settings.dial_config()
-        self.brownout = Brownout(config, settings.brownout_ttft_s, max_running, self.admission.oldest_wait)
+        self.brownout = Brownout(
+            config, settings.brownout_ttft_s or None, max_running, self.admission.oldest_wait
+        )
         self.metrics.bind_load(self.admission, self.brownout)
         self.metrics.set_acceptance_floors(
             {t: verification_for(PolicyKind.ENSEMBLE, q, config).weight for t, q in config.tiers.items()},

@@ -50,7 +50,7 @@ class GatewaySettings(BaseSettings):
     retry_after_s: int = Field(1, ge=0)
     # Brownout (off by default): the time to first token to hold by serving requests that set a
     # `min_quality` lower under overload. Clients that send no floor are never lowered.
-    brownout_ttft_s: float | None = Field(None, gt=0)
+    brownout_ttft_s: float = Field(0.0, ge=0)  # 0 = off
 
     # Request limits.
     max_body_bytes: int = Field(1_000_000, ge=1024)
