@@ -80,10 +80,11 @@ def draft_rows(forward_batch: Any) -> tuple[str, list[int]] | None:
     return None
 
 
-def verify_rows(rids: Sequence[str], n: int) -> torch.Tensor:
-    """`[B, N]` row indices into a TARGET_VERIFY forward's flat `[B·(N+1) (+pad), H]` output."""
-    b = len(rids)
-    return torch.arange(b).unsqueeze(1) * (n + 1) + torch.arange(n).unsqueeze(0)
+def verify_rows(b: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """`[B, N]` row indices into a TARGET_VERIFY forward's flat `[B·(N+1) (+pad), H]` output,
+    made on `device` (no host copy)."""
+    rows = torch.arange(b, device=device).unsqueeze(1) * (n + 1)
+    return rows + torch.arange(n, device=device).unsqueeze(0)
 
 
 class DraftChains:
