@@ -166,7 +166,7 @@ class VerifyStep:
     weights: torch.Tensor  # [B, N]
     greedy: torch.Tensor  # [B] bool
     any_greedy: bool
-    logits: torch.Tensor  # [B·(N+1), V], masked and penalised by SGLang in place before the kernel
+    logits: torch.Tensor | None  # [B·(N+1), V], penalised and masked in place by SGLang; None: no mask
     bias: torch.Tensor | None  # [B, V] sampling_info.logit_bias
 
 
@@ -223,7 +223,8 @@ def chain_kernel_around(original_fn, *args, **kwargs):
     if step is not None and target is not None and draft is not None:
         b, n1, v = target.shape
         nu_into_target_probs_(
-            target, draft, step.weights, logits=step.logits.view(b, n1, v), bias=step.bias,
+            target, draft, step.weights, bias=step.bias,
+            logits=None if step.logits is None else step.logits.view(b, n1, v),
             greedy=step.greedy, any_greedy=step.any_greedy,
         )  # fmt: skip
     return original_fn(*args, **kwargs)
