@@ -106,13 +106,12 @@ class Req:
 class Batch:
     """A `ScheduleBatch` as eagle_sample reads it (weak-referenceable, for the penalizers)."""
 
-    def __init__(self, reqs: list[Req], vocab: int, *, grammar_mask=None, return_logprob: bool = False):
+    def __init__(self, reqs: list[Req], vocab: int, *, return_logprob: bool = False, device: str = "cpu"):
         m = modules()
-        self.reqs, self.device = reqs, "cpu"
+        self.reqs, self.device = reqs, device
         self.forward_mode = SimpleNamespace(is_idle=lambda: False)
-        self.seq_lens = torch.full((len(reqs),), 7, dtype=torch.int64)
+        self.seq_lens = torch.full((len(reqs),), 7, dtype=torch.int64, device=device)
         self.return_logprob = return_logprob
-        self.grammar_mask = grammar_mask
         self.sampling_info = sampling_batch_info(self, vocab)
         self.sampling_info.penalizer_orchestrator = m.penaltylib.BatchedPenalizerOrchestrator(
             vocab, self, {m.penaltylib.BatchedMinNewTokensPenalizer}
@@ -126,21 +125,23 @@ def sampling_batch_info(batch: Batch, vocab: int):
     its methods are SGLang's)."""
     m = modules()
     sp = [r.sampling_params for r in batch.reqs]
+    dev = batch.device
     bias = None
     if any(s.logit_bias for s in sp):
         bias = torch.zeros(len(sp), vocab)
         for i, s in enumerate(sp):
             for token, value in (s.logit_bias or {}).items():
                 bias[i, int(token)] = value
+        bias = bias.to(dev)
     return m.SamplingBatchInfo(
-        temperatures=torch.tensor([s.temperature for s in sp], dtype=torch.float).view(-1, 1),
-        top_ps=torch.tensor([s.top_p for s in sp], dtype=torch.float),
-        top_ks=torch.tensor([s.top_k for s in sp], dtype=torch.int32),
-        min_ps=torch.tensor([s.min_p for s in sp], dtype=torch.float),
+        temperatures=torch.tensor([s.temperature for s in sp], dtype=torch.float, device=dev).view(-1, 1),
+        top_ps=torch.tensor([s.top_p for s in sp], dtype=torch.float, device=dev),
+        top_ks=torch.tensor([s.top_k for s in sp], dtype=torch.int32, device=dev),
+        min_ps=torch.tensor([s.min_p for s in sp], dtype=torch.float, device=dev),
         is_all_greedy=all(s.top_k <= 1 for s in sp), is_any_greedy=any(s.top_k <= 1 for s in sp),
         need_top_p_sampling=any(s.top_p != 1.0 for s in sp),
         need_top_k_sampling=any(s.top_k != (1 << 30) for s in sp),
-        need_min_p_sampling=False, vocab_size=vocab, device="cpu", logit_bias=bias,
+        need_min_p_sampling=False, vocab_size=vocab, device=dev, logit_bias=bias,
     )  # fmt: skip
 
 
@@ -170,7 +171,7 @@ def verify_input(draft_tokens: torch.Tensor, draft_probs: torch.Tensor) -> Simpl
     b, n1 = draft_tokens.shape
     return SimpleNamespace(
         draft_token=draft_tokens.reshape(-1).to(torch.int64), draft_token_num=n1, max_tree_depth=n1,
-        retrieve_index=torch.arange(b * n1, dtype=torch.int64).view(b, n1),
+        retrieve_index=torch.arange(b * n1, dtype=torch.int64, device=draft_tokens.device).view(b, n1),
         retrieve_next_token=None, retrieve_next_sibling=None, tree_topk=1, draft_probs=draft_probs,
         custom_mask=None, positions=None,
     )  # fmt: skip
