@@ -114,7 +114,7 @@ class StepPlanner:
         self._plan: BatchPlan | None = None
 
     def plan(self, reqs: Sequence[Any]) -> BatchPlan:
-        key = tuple(getattr(req, "rid", None) or id(req) for req in reqs)
+        key = tuple((getattr(req, "rid", None), id(req)) for req in reqs)  # rids are unique per request
         if key != self._key or self._plan is None:
             rows = batch_row_params(reqs, self.settings.default_w)
             greedy = [int(getattr(req.sampling_params, "top_k", -1)) == 1 for req in reqs]
