@@ -29,9 +29,10 @@ Greedy rows (SGLang rewrites temperature 0 to `top_k = 1`, T = 1) arrive one-hot
 (top-1 renorm); they get one-hot at `argmax ν̃` from the full softmax instead, so the kernel
 accepts while `x == argmax ν̃` and emits `argmax ν̃` at the first mismatch (bonus stays argmax p).
 
-Memory: the work runs over blocks of at most a third of the B·N draft slots, and a block needs
-one float32 scratch of its size (plus a bool mask and, for greedy rows or log-probs, one more),
-so the extra peak stays within one `[B, N, V]` float32 buffer when B·N ≥ 3. Rows with w = 1
+Memory: the work runs over blocks of at most a quarter of the B·N draft slots; a block needs one
+float32 scratch of its size, a bool mask and, for greedy rows or log-probs, one more float32
+buffer (about 13 bytes per element at most), so the passes' own peak stays within one
+`[B, N, V]` float32 buffer when B·N ≥ 4 (tests/plugin_memory.py measures it). Rows with w = 1
 everywhere are never written.
 
 No SGLang import here: this module is pure torch so it runs and is tested on CPU.
@@ -58,9 +59,9 @@ def _weights_2d(weights: torch.Tensor, b: int, n: int, like: torch.Tensor) -> to
 
 
 def slot_blocks(b: int, n: int) -> list[tuple[slice, slice]]:
-    """`(rows, slots)` blocks covering the `[B, N]` draft slots, each at most a third of them.
+    """`(rows, slots)` blocks covering the `[B, N]` draft slots, each at most a quarter of them.
     Depends on shapes only, so the sequence of device ops is fixed for a batch size."""
-    size = max(1, (b * n) // 3)
+    size = max(1, (b * n) // 4)
     if size >= n:
         rows = size // n
         return [(slice(i, min(i + rows, b)), slice(0, n)) for i in range(0, b, rows)]
