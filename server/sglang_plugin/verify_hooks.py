@@ -47,6 +47,7 @@ EAGLE_SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
 CHAIN_KERNEL = "sglang.kernels.ops.speculative.reject_sampling.chain_speculative_sampling_triton"
 DRAFT = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft"
 
+TOP_K_ALL = 1 << 30  # SGLang's "no top-k"
 _step = threading.local()  # .ctx: the VerifyStep of the eagle_sample call in flight, else None
 
 
@@ -117,7 +118,7 @@ class StepPlanner:
         key = tuple((getattr(req, "rid", None), id(req)) for req in reqs)  # rids are unique per request
         if key != self._key or self._plan is None:
             rows = batch_row_params(reqs, self.settings.default_w)
-            greedy = [int(getattr(req.sampling_params, "top_k", -1)) == 1 for req in reqs]
+            greedy = [getattr(req.sampling_params, "top_k", TOP_K_ALL) <= 1 for req in reqs]  # as SGLang
             self._key, self._plan = key, BatchPlan(rows, greedy, has_head=self.head is not None)
         return self._plan
 
