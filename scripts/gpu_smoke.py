@@ -3,6 +3,7 @@
 
     python scripts/gpu_smoke.py engine --out DIR     greedy agreement CUDA vs CPU; tok/s AR vs SD
     python scripts/gpu_smoke.py report --out DIR     DIR/gpu-results.md from what the steps wrote
+                                                     (with scripts/gpu_hook_timing.py's table)
     python scripts/gpu_smoke.py bench --out DIR [--pairs embedded,qwen,llama8b] [--work TMP]
         `dialspec bench engine` on CUDA (issue 13's target table): the embedded pair, and
         random-weight pairs with Qwen2.5-0.5B -> 1.5B and Llama-3.2-1B -> 3.1-8B shapes written by
@@ -213,6 +214,11 @@ def report_main(out: Path, device_label: str) -> int:
     if bench_md.exists():
         body = bench_md.read_text().split("\n", 2)[2]  # drop the '# dialspec bench engine' title
         lines += ["Throughput (`run_bench`, bf16, adaptive N and N = 5, 24 tokens, T = 1):", "", body]
+    timing = out / "hook-timing.md"
+    lines.append(
+        "**(d) the plugin's verify hooks against the stock verify step** (`scripts/gpu_hook_timing.py`)"
+    )
+    lines += ["", timing.read_text() if timing.exists() else "did not run (see hook-timing.log)", ""]
     (out / "gpu-results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

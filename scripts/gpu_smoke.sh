@@ -8,6 +8,10 @@
 #     (b) SGLang's real Triton chain kernel behind the plugin's ν hook: token-for-token equal to the
 #         torch reference, and chi-square tests of its output law (tests/test_sglang_chain_kernel.py)
 #     (c) the embedded engine on CUDA: greedy agreement with the CPU, tok/s AR vs SD at batch 1/8/32
+#     (d) the plugin's verify hooks against the stock verify step on the same inputs (B 48, N 5,
+#         V 128k): ms per step, peak memory, and no host-device sync under CUDA's sync debug mode
+#         (scripts/gpu_hook_timing.py; the stock step is eagle_sample's branch restated in torch
+#         around SGLang's real chain kernel, since SGLang is not installed there)
 #   and writes OUTDIR/gpu-results.md (default $OUT, else gpu-smoke-results/), the section that goes
 #   into docs/gpu-results.md. Exit status: non-zero if any step failed.
 #   scripts/gpu_smoke.sh bench [OUTDIR] [PAIRS]   on the GPU node (no prepare needed), one call of
@@ -42,6 +46,7 @@ run)
         || status=1
     python3 -m pytest "${pytest_args[@]}" --junitxml="$out/kernel.xml" \
         tests/test_sglang_chain_kernel.py 2>&1 | tee "$out/kernel.log" || status=1
+    python3 scripts/gpu_hook_timing.py --out "$out" 2>&1 | tee "$out/hook-timing.log" || status=1
     python3 scripts/gpu_smoke.py engine --out "$out" 2>&1 | tee "$out/engine.log" || status=1
     python3 scripts/gpu_smoke.py report --out "$out" --device-label "$(head -1 "$out/device.txt")" || status=1
     exit $status

@@ -76,3 +76,34 @@ def test_bench_step_refuses_unknown_pairs_and_a_missing_gpu(tmp_path):
     if not torch.cuda.is_available():
         out = subprocess.run([*argv, "embedded"], capture_output=True, text=True)
         assert out.returncode == 2 and "no CUDA device" in out.stderr
+
+
+def test_hook_timing_runs_end_to_end_on_the_cpu(tmp_path):
+    """`scripts/gpu_hook_timing.py` as the GPU node runs it (no SGLang import: its stock step and
+    the hooks need torch and the kernel file only), at toy sizes on the CPU, then in the report."""
+    import os
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    script = str(ROOT / "scripts" / "gpu_hook_timing.py")
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--device",
+        "cpu",
+        "--batch",
+        "3",
+        "--draft",
+        "2",
+        "--vocab",
+        "64",
+        "--iters",
+        "1",
+    ]
+    out = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    table = (tmp_path / "hook-timing.md").read_text()
+    for kind in ("all w = 1 (stock path)", "sampled, w = 0.5", "mixed w, greedy and sampled", "log-probs"):
+        assert kind in table
+    smoke = [sys.executable, str(ROOT / "scripts" / "gpu_smoke.py"), "report", "--out", str(tmp_path)]
+    subprocess.run(smoke, capture_output=True, text=True, check=True)
+    assert table in (tmp_path / "gpu-results.md").read_text()

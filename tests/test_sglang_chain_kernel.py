@@ -51,7 +51,9 @@ def run_kernel(kernel, cand, target_probs, draft_probs, coins, coins_final, weig
     accept_index = torch.full((b, n1), -1, dtype=torch.int32, device=dev)  # [B, N+1]
     accept_num = torch.zeros(b, dtype=torch.int32, device=dev)  # [B]
     retrive_index = torch.arange(b * n1, dtype=torch.int32, device=dev).view(b, n1)  # chain layout
-    verify_hooks._step.weights = weights  # what eagle_sample's hook publishes for this step
+    if weights is not None:  # what eagle_sample's hook publishes for this step (no mask, no greedy row)
+        greedy = torch.zeros(b, dtype=torch.bool, device=dev)
+        verify_hooks._step.ctx = verify_hooks.VerifyStep(weights, greedy, False, logits=None, bias=None)
     try:
         verify_hooks.chain_kernel_around(
             kernel,
@@ -64,14 +66,14 @@ def run_kernel(kernel, cand, target_probs, draft_probs, coins, coins_final, weig
             retrive_next_sibling=None,
             uniform_samples=coins,
             uniform_samples_for_final_sampling=coins_final,
-            target_probs=target_probs,
+            target_probs=target_probs.clone(),  # eagle_sample's own buffer: the hook edits it in place
             draft_probs=draft_probs,
             threshold_single=1.0,
             threshold_acc=1.0,
             deterministic=True,
         )
     finally:
-        verify_hooks._step.weights = None
+        verify_hooks._step.ctx = None
     return accept_num.long(), predicts.view(b, n1).long()
 
 

@@ -13,7 +13,12 @@ import pytest
 import torch
 from scipy import stats
 
-from server.sglang_plugin.ensemble import chain_rejection_reference, greedy_nu_logits, mix_target_probs
+from server.sglang_plugin.ensemble import (
+    chain_rejection_reference,
+    mix_target_probs,
+    nu_into_target_probs_,
+    slot_blocks,
+)
 from verifier.chain import verify
 
 ALPHA = 1e-4
@@ -109,25 +114,45 @@ def _greedy_expected(p, q, x, w):
 
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("w", [1.0, 0.5, 0.1])
-def test_greedy_rows_follow_argmax_nu_on_both_sglang_paths(seed, w):
+def test_greedy_rows_follow_argmax_nu_through_the_chain_kernel(seed, w):
+    """A greedy row reaches the kernel one-hot at argmax p (SGLang's top-1 renorm); the hook makes
+    it one-hot at argmax ν from the full softmax of the logits, and the kernel then accepts while
+    x == argmax ν and emits argmax ν at the first mismatch, as `verifier.verify`'s greedy rule."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(N + 1, V, generator=g) * 2  # target
     q = torch.softmax(torch.randn(N, V, generator=g) * 2, dim=-1)
-    # Greedy draft proposes argmax q, except where we force p's argmax to create agreement.
-    x = q.argmax(-1)
+    x = q.argmax(-1)  # a greedy draft proposes argmax q
     p = logits.softmax(-1)
     expected = _greedy_expected(p, q, x, w)
     k = int(expected.num_accepted)
-    mixed = greedy_nu_logits(logits.unsqueeze(0), q.unsqueeze(0), torch.tensor([w]))[0]  # [N+1, V]
+    tp = torch.nn.functional.one_hot(logits.argmax(-1), V).float().unsqueeze(0)  # [1, N+1, V]
+    nu_into_target_probs_(
+        tp, q.unsqueeze(0), torch.tensor([w]), logits=logits.unsqueeze(0), greedy=torch.tensor([True]),
+        any_greedy=True,
+    )  # fmt: skip
     cand = torch.cat([torch.zeros(1, dtype=torch.long), x]).unsqueeze(0)  # [1, N+1]
-    # Path 1 (all-greedy batch): SGLang accepts while candidate == argmax of the logits.
-    pred = mixed.argmax(-1)
-    k1 = 0
-    while k1 < N and int(x[k1]) == int(pred[k1]):
-        k1 += 1
-    assert k1 == k and int(pred[k1]) == int(expected.tokens[0, k])
-    # Path 2 (mixed batch): softmax, top-k=1 renorm -> one-hot, chain kernel with w = 1.
-    onehot = torch.nn.functional.one_hot(mixed.argmax(-1), V).float().unsqueeze(0)  # [1, N+1, V]
     coins = torch.rand(1, N, generator=g)
-    acc, toks = chain_rejection_reference(cand, onehot, q.unsqueeze(0), coins, torch.rand(1))
+    acc, toks = chain_rejection_reference(cand, tp, q.unsqueeze(0), coins, torch.rand(1))
     assert int(acc) == k and torch.equal(toks[0, : k + 1], expected.tokens[0, : k + 1])
+
+
+@pytest.mark.parametrize("b, n", [(1, 1), (1, 5), (2, 3), (48, 5), (7, 2)])
+def test_slot_blocks_cover_every_slot_once_in_a_quarter_or_less(b, n):
+    seen = torch.zeros(b, n, dtype=torch.long)
+    for rows, slots in slot_blocks(b, n):
+        seen[rows, slots] += 1
+        assert seen[rows, slots].numel() <= max(1, b * n // 4)
+    assert bool((seen == 1).all())
+
+
+def test_in_place_nu_equals_the_reference_mix_and_leaves_w1_rows_alone():
+    g = torch.Generator().manual_seed(11)
+    b = 7
+    p = torch.softmax(torch.randn(b, N + 1, V, generator=g), -1)
+    q = torch.softmax(torch.randn(b, N, V, generator=g), -1)
+    w = torch.tensor([1.0, 0.0, 0.3, 1.0, 0.9, 0.5, 0.05])
+    out = p.clone()
+    nu_into_target_probs_(out, q, w)
+    ref = mix_target_probs(p, q, w)
+    assert torch.allclose(out, ref, atol=1e-6)
+    assert torch.equal(out[[0, 3]], p[[0, 3]]) and torch.equal(out[:, N], p[:, N])  # bit-identical

@@ -94,7 +94,7 @@ def test_row_weights_pass_the_dial_of_learned_rows_and_keep_static_w_elsewhere()
 
     def weights(rids, dial, n):
         seen["rids"], seen["dial"] = list(rids), dial.clone()
-        return torch.full((len(rids), n), 0.05), torch.ones(len(rids), dtype=torch.bool)
+        return torch.full((len(rids), n), 0.05), [True] * len(rids)
 
     batch = SimpleNamespace(
         reqs=[req("a", {"dialspec_w": 0.4}), req("b", {"dialspec_w": 0.9, "dialspec_dial": 0.6})]
@@ -105,7 +105,7 @@ def test_row_weights_pass_the_dial_of_learned_rows_and_keep_static_w_elsewhere()
     assert torch.allclose(w, torch.tensor([[0.4] * 3, [0.05] * 3]))
     assert seen["rids"] == ["a", "b"] and torch.allclose(seen["dial"][1], torch.tensor(0.6))
     static = row_weights(batch, settings, torch.device("cpu"), num_draft=3, head=None)
-    assert torch.allclose(static, torch.tensor([0.4, 0.9]))
+    assert torch.allclose(static, torch.tensor([[0.4] * 3, [0.9] * 3]))
 
 
 def test_project_head_directory_loads(pair, tmp_path):
@@ -266,10 +266,15 @@ def _coords(h: torch.Tensor) -> list[tuple[int, int, int]]:
 SETTINGS = PluginSettings(enabled=True, default_w=1.0)
 
 
+def _rows(layout):
+    kind, rows = layout
+    return kind, rows.tolist()
+
+
 def test_draft_rows_follow_sglang_layouts(sgl):
     sim = Sim(sgl, LearnedHead(RecordingHead()))
     ext = sim.batch("EXTEND", ["a", "b"], extend_seq_lens=torch.tensor([3, 5]), extend_seq_lens_cpu=[3, 5])
-    assert draft_rows(ext) == (RESET, [2, 7])  # last prefill token of each request
+    assert _rows(draft_rows(ext)) == (RESET, [2, 7])  # last prefill token of each request
     spec = sgl.eagle_info.EagleDraftExtendInput(
         num_accept_tokens=torch.tensor([2, 4]), num_tokens_per_req=N + 1
     )
@@ -280,18 +285,18 @@ def test_draft_rows_follow_sglang_layouts(sgl):
         extend_seq_lens_cpu=[4, 4],
         spec_info=spec,
     )
-    assert draft_rows(dev2) == (RESET, [1, 7])  # r(N+1) + accept − 1: the bonus token's row
+    assert _rows(draft_rows(dev2)) == (RESET, [1, 7])  # r(N+1) + accept − 1: the bonus token's row
     spec.num_front_tokens = 2  # a widened window puts `front` rows before the verified ones
     w = [N + 3, N + 3]
     dev2w = sim.batch(
         "DRAFT_EXTEND_V2", ["a", "b"], extend_seq_lens=torch.tensor(w), extend_seq_lens_cpu=w, spec_info=spec
     )
-    assert draft_rows(dev2w) == (RESET, [3, 11])
-    assert draft_rows(sim.batch("DECODE", ["a", "b"])) == (APPEND, [0, 1])
+    assert _rows(draft_rows(dev2w)) == (RESET, [3, 11])
+    assert _rows(draft_rows(sim.batch("DECODE", ["a", "b"]))) == (APPEND, [0, 1])
     assert draft_rows(sim.batch("IDLE", [])) is None
     with pytest.raises(ValueError, match="MIXED"):
         draft_rows(sim.batch("MIXED", ["a"], extend_seq_lens=torch.tensor([2]), extend_seq_lens_cpu=[2]))
-    assert verify_rows(["a", "b"], N).tolist() == [[0, 1, 2], [4, 5, 6]]
+    assert verify_rows(2, N).tolist() == [[0, 1, 2], [4, 5, 6]]
 
 
 def test_states_follow_requests_through_joins_leaves_and_reorders(sgl):
@@ -332,10 +337,10 @@ def test_states_follow_requests_through_joins_leaves_and_reorders(sgl):
 
 def test_a_request_that_left_ages_out():
     chains = DraftChains(max_age=2)
-    chains.record(RESET, ["a", "b"], torch.zeros(2, HD), [0, 1])
+    chains.record(RESET, ["a", "b"], torch.zeros(2, HD), torch.tensor([0, 1]))
     for _ in range(3):
         chains.advance()
-        chains.record(APPEND, ["a"], torch.zeros(1, HD), [0])
+        chains.record(APPEND, ["a"], torch.zeros(1, HD), torch.tensor([0]))
     assert len(chains) == 1 and chains.take(["b"], 1)[1] == [False]
 
 
@@ -377,7 +382,7 @@ def test_head_errors_and_misaligned_batches_fall_back_to_static_w(sgl, caplog):
     learned.head = RecordingHead()
     other = sim.schedule_batch([("z", {"dialspec_w": 0.2, "dialspec_dial": 0.2})])  # not the verified rids
     w, ok = learned.weights(["z"], torch.tensor([0.2]), N)
-    assert not bool(ok.any())
+    assert not any(ok)
     assert torch.allclose(
         row_weights(other, SETTINGS, torch.device("cpu"), N, learned), torch.full((1, N), 0.2)
     )
@@ -400,16 +405,19 @@ def test_learned_w_reaches_the_kernel_per_token(sgl, monkeypatch):
     sim.verify(["a", "b"])
     batch = sim.schedule_batch([("a", {"dialspec_w": 0.9, "dialspec_dial": 0.9}), ("b", {"dialspec_w": 0.5})])
     batch.forward_mode = sgl.fbi.ForwardMode.DECODE
-    batch.sampling_info = SimpleNamespace(top_ks=torch.tensor([r.sampling_params.top_k for r in batch.reqs]))
+    batch.sampling_info = SimpleNamespace(is_all_greedy=False, logit_bias=None)
     batch.return_logprob = False
     g = torch.Generator().manual_seed(0)
     v = 6
     p = torch.softmax(torch.randn(2, N + 1, v, generator=g), -1)
+    target_probs = p.clone()  # the hook writes ν into SGLang's buffer in place
     q = torch.softmax(torch.randn(2, N, v, generator=g), -1)
     seen = {}
 
     def eagle_sample(verify_input, batch, logits_output):
-        return verify_hooks.chain_kernel_around(lambda **kw: seen.update(kw), target_probs=p, draft_probs=q)
+        return verify_hooks.chain_kernel_around(
+            lambda **kw: seen.update(kw), target_probs=target_probs, draft_probs=q
+        )
 
     hook = verify_hooks.make_eagle_sample_hook(SETTINGS, learned)
     verify_input = SimpleNamespace(draft_token_num=N + 1, draft_probs=q)

@@ -74,13 +74,14 @@ def _run(z, q, batch, compute):
 
     def eagle_sample(verify_input, batch, logits_output):
         seen["logits"] = logits_output.next_token_logits.clone()  # what sampling saw
+        seen["step"] = verify_hooks._step.ctx  # what the kernel hook would mix with
         return "sampled"
 
     hook = verify_hooks.make_eagle_sample_hook(PluginSettings(enabled=True, default_w=1.0))
     out = SimpleNamespace(next_token_logits=z.clone())
     verify_input = SimpleNamespace(draft_token_num=N + 1, draft_probs=q)
     assert hook(eagle_sample, verify_input, batch, out) == "sampled"
-    return out, seen["logits"]
+    return out, seen
 
 
 def _expected(z, q, rows, tokens):
@@ -115,10 +116,11 @@ def test_reported_logprobs_are_log_nu_for_greedy_and_sampled_rows(compute_spec_l
 def test_greedy_top_logprob_is_the_token_greedy_emits(compute_spec_logprobs):
     rows = [(0.3, True, 1.0), (0.6, False, 0.9)]
     z, q, batch, tokens, accept_index = _case(rows, seed=3)
-    out, seen = _run(z, q, batch, compute_spec_logprobs)
+    out, _ = _run(z, q, batch, compute_spec_logprobs)
     compute_spec_logprobs(batch, out, tokens, accept_index=accept_index)
     top_idx = out.next_token_top_logprobs_idx  # per (row, slot): top-2 token ids
-    emitted = seen.view(2, N + 1, V)[0].argmax(-1)  # greedy row: argmax ν / argmax p
+    p = z.view(2, N + 1, V)[0].softmax(-1)
+    emitted = torch.cat([(0.3 * p[:N] + 0.7 * q[0]).argmax(-1), p[N:].argmax(-1)])  # argmax ν, bonus argmax p
     assert [idx[0] for idx in top_idx[: N + 1]] == emitted.tolist()
 
 
@@ -140,10 +142,9 @@ def test_original_logprob_mode_reports_the_target_and_still_samples_nu(compute_s
     rows = [(0.2, True, 1.0), (0.3, False, 0.7)]
     z, q, batch, tokens, accept_index = _case(rows, seed=7)
     out, seen = _run(z, q, batch, compute_spec_logprobs)
-    assert torch.equal(out.next_token_logits, z)  # log-probs come from the untouched logits
-    greedy_view = seen.view(2, N + 1, V)[0]
-    nu = 0.2 * z.view(2, N + 1, V)[0, :N].softmax(-1) + 0.8 * q[0]
-    assert torch.equal(greedy_view[:N].argmax(-1), nu.argmax(-1))  # sampling still saw ν
+    assert torch.equal(out.next_token_logits, z)  # log-probs come from SGLang's logits, as stock
+    step = seen["step"]  # sampling still goes through ν (the kernel hook's step is published)
+    assert step is not None and torch.allclose(step.weights, torch.tensor([[0.2] * N, [0.3] * N]))
 
 
 def test_no_logprobs_requested_leaves_sampled_logits_alone(compute_spec_logprobs):

@@ -94,8 +94,7 @@ def test_active_plugin_registers_through_hook_registry(clean_registry, monkeypat
         args_hook.TARGET: [HookType.AROUND],
         verify_hooks.EAGLE_SAMPLE: [HookType.AROUND],
         verify_hooks.CHAIN_KERNEL: [HookType.AROUND],
-        verify_hooks.DRAFT_FORWARD: [HookType.AROUND],
-        verify_hooks.GRAPH_VARIANT: [HookType.AROUND],
+        verify_hooks.DRAFT: [HookType.AROUND],
         liveness.SCHEDULER_INIT: [HookType.BEFORE],
     }
 
@@ -388,52 +387,34 @@ def test_greedy_request_is_top_k_one_after_sglang_normalisation():
 # ---------------------------------------------------------------------------- verify data flow
 
 
-def _fake_eagle_sample(kernel):
-    """What SGLang's eagle_sample does on the sampling path, reduced to tensors (CUDA-only code)."""
-
-    def eagle_sample(verify_input, batch, logits_output, *args, **kwargs):
-        bs, n1 = len(batch.reqs), verify_input.draft_token_num
-        logits = logits_output.next_token_logits.view(bs, n1, -1)
-        probs = logits.softmax(-1)
-        greedy = batch.sampling_info.top_ks <= 1
-        onehot = torch.nn.functional.one_hot(logits.argmax(-1), probs.shape[-1]).float()
-        target_probs = torch.where(greedy.view(-1, 1, 1), onehot, probs)  # top-k = 1 renorm
-        return kernel(target_probs=target_probs, draft_probs=verify_input.draft_probs)
-
-    return eagle_sample
-
-
 def test_eagle_sample_hook_feeds_nu_to_the_kernel(monkeypatch):
+    """SGLang's real eagle_sample (tests/sglang_eagle_cpu.py) with the hooks: the kernel receives ν
+    for sampled rows, one-hot argmax ν for a greedy row, p at the bonus slot."""
+    from tests import sglang_eagle_cpu as sgl_eagle
+
     monkeypatch.setattr(verify_hooks, "_is_standalone", lambda: True)
+    seen = {}
+
+    def kernel(**kw):
+        seen.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
+
+    sgl_eagle.stand_in_platform(monkeypatch, lambda **kw: verify_hooks.chain_kernel_around(kernel, **kw))
     g = torch.Generator().manual_seed(0)
     bs, n, v = 3, 2, 5
     logits = torch.randn(bs * (n + 1), v, generator=g)
     q = torch.softmax(torch.randn(bs, n, v, generator=g), -1)
     reqs = [
-        _req(temperature=1.0, custom_params={"dialspec_w": 0.3}),
-        _req(temperature=0.0, custom_params={"dialspec_w": 0.5}),  # greedy
-        _req(temperature=1.0),  # server default
+        sgl_eagle.Req("a", v, temperature=1.0, custom_params={"dialspec_w": 0.3}),
+        sgl_eagle.Req("b", v, temperature=0.0, custom_params={"dialspec_w": 0.5}),  # greedy
+        sgl_eagle.Req("c", v, temperature=1.0),  # server default
     ]
-    batch = SimpleNamespace(
-        reqs=reqs,
-        forward_mode=SimpleNamespace(is_idle=lambda: False),
-        sampling_info=SimpleNamespace(top_ks=torch.tensor([r.sampling_params.top_k for r in reqs])),
-        return_logprob=False,
-    )
-    verify_input = SimpleNamespace(draft_token_num=n + 1, draft_probs=q)
-    seen = {}
-
-    def kernel(**kw):
-        seen.update(kw)
-        return "done"
-
-    hooked_kernel = lambda **kw: verify_hooks.chain_kernel_around(kernel, **kw)  # noqa: E731
+    batch = sgl_eagle.Batch(reqs, v)
+    cand = torch.zeros(bs, n + 1, dtype=torch.long)
     hook = verify_hooks.make_eagle_sample_hook(params.PluginSettings(enabled=True, default_w=0.6))
-    raw = logits.clone()
-    logits_output = SimpleNamespace(next_token_logits=logits)
-    out = hook(_fake_eagle_sample(hooked_kernel), verify_input, batch, logits_output)
-    assert out == "done" and verify_hooks._step.weights is None
-    p = raw.view(bs, n + 1, v).softmax(-1)
+    out = SimpleNamespace(next_token_logits=logits.clone())
+    hook(sgl_eagle.modules().eagle_utils.eagle_sample, sgl_eagle.verify_input(cand, q), batch, out)
+    assert verify_hooks._step.ctx is None
+    p = logits.view(bs, n + 1, v).softmax(-1)
     tp = seen["target_probs"]
     assert torch.allclose(tp[0, :n], 0.3 * p[0, :n] + 0.7 * q[0], atol=1e-6)
     assert torch.allclose(tp[2, :n], 0.6 * p[2, :n] + 0.4 * q[2], atol=1e-6)

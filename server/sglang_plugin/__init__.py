@@ -6,9 +6,9 @@ unless `DIALSPEC_SGLANG_PLUGIN=1`, so an installed-but-inactive plugin leaves SG
 
 Hooks (HookRegistry targets, SGLang 0.5.23):
     args_hook.TARGET          AROUND  STANDALONE + rejection sampling allowed; bad settings refused
-    verify_hooks.EAGLE_SAMPLE AROUND  per-row w from custom_params; greedy rows -> argmax ν
-    verify_hooks.CHAIN_KERNEL AROUND  target probs at draft slots := ν = w·p + (1−w)·q
-    verify_hooks.DRAFT_FORWARD, GRAPH_VARIANT  AROUND  keep q for all-greedy batches
+    verify_hooks.EAGLE_SAMPLE AROUND  per-row w from custom_params; all-w = 1 batches stock
+    verify_hooks.CHAIN_KERNEL AROUND  target probs at draft slots := ν̃ (masked ensemble), in place
+    verify_hooks.DRAFT        AROUND  all-greedy batches with some w < 1 build q
     learned_head (only with DIALSPEC_HEAD_PATH): AFTER ModelRunner.load_model (attach capture),
                               AROUND ModelRunner.forward (record states per request)
     liveness.SCHEDULER_INIT   BEFORE  the scheduler process refuses to start unless all are live
@@ -49,12 +49,12 @@ def hook_specs(settings=None) -> list[tuple[str, object, str]]:
         head = LearnedHead(load_head(settings.head_path))
         specs.append((LOAD_MODEL, make_load_model_hook(head), "AFTER"))
         specs.append((MODEL_FORWARD, make_forward_hook(head), "AROUND"))
+    planner = verify_hooks.StepPlanner(settings, head)  # one per process: draft and verify agree
     specs += [
         (args_hook.TARGET, args_hook.handle_eagle_family_around, "AROUND"),
-        (verify_hooks.EAGLE_SAMPLE, verify_hooks.make_eagle_sample_hook(settings, head), "AROUND"),
+        (verify_hooks.EAGLE_SAMPLE, verify_hooks.make_eagle_sample_hook(settings, head, planner), "AROUND"),
         (verify_hooks.CHAIN_KERNEL, verify_hooks.chain_kernel_around, "AROUND"),
-        (verify_hooks.DRAFT_FORWARD, verify_hooks.draft_forward_around, "AROUND"),
-        (verify_hooks.GRAPH_VARIANT, verify_hooks.graph_variant_around, "AROUND"),
+        (verify_hooks.DRAFT, verify_hooks.make_draft_hook(settings, head, planner), "AROUND"),
     ]
     return specs
 

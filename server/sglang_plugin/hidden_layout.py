@@ -39,51 +39,46 @@ import torch
 RESET, APPEND = "reset", "append"
 
 
-def _cpu_list(values: Any, fallback: Any = None) -> list[int]:
-    """A host list from a `*_cpu` list/tensor or a device tensor (which costs a sync)."""
-    for v in (values, fallback):
-        if v is None:
-            continue
-        return [int(x) for x in (v.tolist() if isinstance(v, torch.Tensor) else v)]
-    raise ValueError("batch carries no lengths for this layout")
+def _lengths(device_values: Any, host_values: Any) -> torch.Tensor:
+    """Per-request lengths as a tensor, preferring the one SGLang keeps on the device (reading
+    it stays on the device; a host list would have to be copied there every forward)."""
+    if isinstance(device_values, torch.Tensor):
+        return device_values.long()
+    if host_values is None:
+        raise ValueError("batch carries no lengths for this layout")
+    return torch.as_tensor(list(host_values), dtype=torch.long)
 
 
-def _starts(lengths: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for n in lengths:
-        out.append(acc)
-        acc += n
-    return out
-
-
-def draft_rows(forward_batch: Any) -> tuple[str, list[int]] | None:
-    """For a draft-model forward: `(RESET|APPEND, row per request)` of the state that produced a
-    draft, in `forward_batch.rids` order; None for modes that produce none (IDLE, ...).
+def draft_rows(forward_batch: Any) -> tuple[str, torch.Tensor] | None:
+    """For a draft-model forward: `(RESET|APPEND, [B] row per request)` of the state that
+    produced a draft, in `forward_batch.rids` order; None for modes that produce none (IDLE, ...).
+    Rows are computed with device ops from SGLang's device-side lengths (no host read).
 
     Raises ValueError for layouts the head cannot use (MIXED batches, missing lengths)."""
     mode = forward_batch.forward_mode
     name = getattr(mode, "name", str(mode))
     bs = len(forward_batch.rids)
     if name == "DECODE":
-        return APPEND, list(range(bs))
+        return APPEND, torch.arange(bs, device=forward_batch.seq_lens.device)
     if name == "EXTEND":
-        lens = _cpu_list(forward_batch.extend_seq_lens_cpu, forward_batch.extend_seq_lens)
-        return RESET, [s + n - 1 for s, n in zip(_starts(lens), lens, strict=True)]
+        lens = _lengths(forward_batch.extend_seq_lens, forward_batch.extend_seq_lens_cpu)
+        return RESET, lens.cumsum(0) - 1
     if name == "DRAFT_EXTEND_V2":
         spec = forward_batch.spec_info
-        lens = _cpu_list(forward_batch.extend_seq_lens_cpu, forward_batch.extend_seq_lens)
-        accept = _cpu_list(getattr(spec, "num_accept_tokens_cpu", None), spec.num_accept_tokens)
+        lens = _lengths(forward_batch.extend_seq_lens, forward_batch.extend_seq_lens_cpu)
+        accept = _lengths(spec.num_accept_tokens, getattr(spec, "num_accept_tokens_cpu", None))
         front = int(getattr(spec, "num_front_tokens", 0) or 0)
-        return RESET, [s + front + a - 1 for s, a in zip(_starts(lens), accept, strict=True)]
+        return RESET, lens.cumsum(0) - lens + front + accept.to(lens.device) - 1
     if name == "MIXED":
         raise ValueError("MIXED (chunked prefill + decode) draft batches have no single layout")
     return None
 
 
-def verify_rows(rids: Sequence[str], n: int) -> torch.Tensor:
-    """`[B, N]` row indices into a TARGET_VERIFY forward's flat `[B·(N+1) (+pad), H]` output."""
-    b = len(rids)
-    return torch.arange(b).unsqueeze(1) * (n + 1) + torch.arange(n).unsqueeze(0)
+def verify_rows(b: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """`[B, N]` row indices into a TARGET_VERIFY forward's flat `[B·(N+1) (+pad), H]` output,
+    made on `device` (no host copy)."""
+    rows = torch.arange(b, device=device).unsqueeze(1) * (n + 1)
+    return rows + torch.arange(n, device=device).unsqueeze(0)
 
 
 class DraftChains:
@@ -102,9 +97,9 @@ class DraftChains:
     def __len__(self) -> int:
         return len(self._chains)
 
-    def record(self, kind: str, rids: Sequence[str], states: torch.Tensor, rows: Sequence[int]) -> None:
+    def record(self, kind: str, rids: Sequence[str], states: torch.Tensor, rows: torch.Tensor) -> None:
         """`states` is one forward's flat `[T, Hd]` output; `rows[r]` is request r's row."""
-        picked = states[torch.as_tensor(list(rows), device=states.device)]  # [B, Hd] (a copy)
+        picked = states.index_select(0, rows.to(states.device))  # [B, Hd] (a copy)
         for r, rid in enumerate(rids):
             if kind == RESET:
                 self._chains[rid] = [picked[r]]

@@ -16,8 +16,8 @@ How states are found (see `hidden_layout` for SGLang 0.5.23's flat layouts):
   * `make_forward_hook` (AROUND `ModelRunner.forward`) reads what that norm produced during this
     forward and files it by request id: draft forwards into `DraftChains`, the target's
     TARGET_VERIFY forward as the current verify states.
-  * the verify hook calls `LearnedHead.weights(rids, dial, N)`, which returns w for the rows it
-    could align and an `ok` mask; the caller keeps the static w for the others.
+  * the verify hook calls `LearnedHead.weights(rids, dial, N)`, which returns w for the batch and
+    which rows it could align (a host list); the caller keeps the static w for the others.
 
 Python forward hooks do not run when a CUDA graph is replayed, so the argument hook requires all
 CUDA graphs off with a head (`--disable-cuda-graph`); a forward that captured nothing anyway
@@ -155,11 +155,15 @@ class LearnedHead:
 
     # -- called by the verify hook ------------------------------------------------------------
 
-    def weights(self, rids: Sequence[str], dial: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(w [B, N], ok [B] bool)` for this verify step's requests; rows with ok False carry
-        no usable states (their w is meaningless). Raises only on head errors."""
+    def weights(self, rids: Sequence[str], dial: torch.Tensor, n: int) -> tuple[torch.Tensor, list[bool]]:
+        """`(w [B, N] on dial's device, ok [B] host bools)` for this verify step's requests; rows
+        with ok False carry no usable states (their w is meaningless). Raises only on head errors.
+
+        Which rows are usable is known on the host (request ids, chain lengths); the device work
+        is a fixed sequence over all B rows (rows without states get zero states), so nothing is
+        read back and no index list is copied to the device."""
         b = len(rids)
-        ok = torch.zeros(b, dtype=torch.bool)
+        ok = [False] * b
         w = torch.ones(b, n, dtype=torch.float32, device=dial.device)
         states = self.verify_states
         if states is None or list(rids) != self.verify_rids:
@@ -167,15 +171,13 @@ class LearnedHead:
         flat = states.reshape(-1, states.shape[-1])  # [B·(N+1) (+pad), Ht]
         if flat.shape[0] < b * (n + 1):
             return w, ok
-        chains, good = self.chains.take(rids, n)
-        idx = [r for r in range(b) if good[r]]
-        if not idx:
+        chains, ok = self.chains.take(rids, n)
+        if not any(ok):
             return w, ok
-        h_t = flat[verify_rows(rids, n).to(flat.device)][idx]  # [B', N, Ht]
-        h_d = torch.stack([chains[r] for r in idx]).to(h_t.device)  # [B', N, Hd]
-        sel = torch.tensor(idx, device=dial.device)
-        w[sel] = run_head(self.head, h_d, h_t, dial[sel].to(h_t.device)).to(w.device)
-        ok[idx] = True
+        some = next(c for c in chains if c is not None)  # [N, Hd]
+        h_d = torch.stack([c if c is not None else torch.zeros_like(some) for c in chains])  # [B, N, Hd]
+        h_t = flat[verify_rows(b, n, flat.device)]  # [B, N, Ht]
+        w = run_head(self.head, h_d.to(h_t.device), h_t, dial.to(h_t.device)).to(dial.device)
         return w, ok
 
 

@@ -1,24 +1,29 @@
 """Runtime hooks on SGLang 0.5.23's speculative verify step (scheduler process, GPU).
 
-Data flow for one verify step of a batch of B requests with N drafts each:
+One verify step of a batch of B requests with N drafts each:
 
-    run_eagle_verify -> eagle_sample(verify_input, batch, logits_output, ...)   [hooked: AROUND]
-        reads batch.reqs[i].sampling_params.custom_params -> w [B] (or [B, N] from the head)
-        greedy rows (top_k == 1): target logits at draft slots := log ν   (in place)
-        publishes the kernel weights for this step (greedy rows: 1, already handled)
-      -> chain_speculative_sampling_triton(target_probs=..., draft_probs=..., ...)   [AROUND]
-        target_probs[:, :N] := ν = w·p + (1−w)·q   (see ensemble.py), then the stock kernel
-    after eagle_sample, return_logprob only: sampled rows' draft slots := T·log ν, so SGLang's
-        compute_spec_logprobs reports log ν there as it does for greedy rows (docs/sglang.md)
+    EagleDraftWorker.draft(batch)                                       [hooked: AROUND]
+        all-greedy batch with some row w < 1: runs with `is_all_greedy = False` so the draft
+        builds q (stock skips it and replays the greedy graph); otherwise stock
+    run_eagle_verify -> eagle_sample(verify_input, batch, logits_output, grammar_mask, ...)   [AROUND]
+        every row w = 1 (decided on the host, below): the stock call, nothing else
+        else: publishes this step (weights, greedy rows, the logits SGLang is about to penalise
+        and mask in place), and for an all-greedy batch sets `is_all_greedy = False` so SGLang
+        takes its rejection-sampling branch; SGLang then adds penalties, logit_bias and the
+        grammar mask to the logits, builds p (softmax / top-k / top-p) and calls
+      -> chain_speculative_sampling_triton(target_probs=p, draft_probs=q, ...)   [AROUND]
+        p[:, :N] := ν̃ in place (ensemble.nu_into_target_probs_), then the stock kernel
+    after eagle_sample, return_logprob only: draft slots with w < 1 := T·log ν̃, so SGLang's
+        compute_spec_logprobs reports log ν̃ there (docs/sglang.md)
 
-The two hooks talk through a thread-local because the kernel call sits inside eagle_sample and
+No host-device synchronisation on this path: whether a batch is all w = 1, which rows are
+greedy, and each row's w come from `batch.reqs[i].sampling_params` (host objects SGLang already
+holds), computed once per batch composition (`StepPlanner`) and uploaded with one pinned,
+non-blocking copy when the composition changes; every per-step operation is a device op whose
+sequence depends only on shapes and those host facts (tests/test_sglang_hot_path.py watches).
+
+The hooks talk through a thread-local because the kernel call sits inside eagle_sample and
 receives no batch; a scheduler runs one verify at a time per thread.
-
-All-greedy batches: stock SGLang skips building q for them (`EagleDraftWorker.draft_forward` and
-the draft CUDA graph's greedy variant), but argmax ν needs q. Two more hooks keep q: the draft
-forward sees `is_all_greedy = False` (greedy rows still propose their argmax, because
-`sample_draft_proposal` honours top_k == 1 per row) and the draft graph runner replays the
-non-greedy variant.
 
 Nothing here imports SGLang at module import; hooks run only inside SGLang's processes.
 """
@@ -27,24 +32,23 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from server.sglang_plugin.ensemble import _LOG_FLOOR, greedy_nu_logits, mix_target_probs
-from server.sglang_plugin.params import PluginSettings, batch_row_params
+from server.sglang_plugin.ensemble import nu_into_target_probs_, nu_logprob_logits_
+from server.sglang_plugin.params import PluginSettings, RowParams, batch_row_params
 
 logger = logging.getLogger(__name__)
 
 EAGLE_SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
 CHAIN_KERNEL = "sglang.kernels.ops.speculative.reject_sampling.chain_speculative_sampling_triton"
-DRAFT_FORWARD = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft_forward"
-GRAPH_VARIANT = (
-    "sglang.srt.speculative.eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner._sampling_variant"
-)
+DRAFT = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft"
 
-_step = threading.local()  # .weights: [B] or [B, N] tensor for the kernel hook, else None
+TOP_K_ALL = 1 << 30  # SGLang's "no top-k"
+_step = threading.local()  # .ctx: the VerifyStep of the eagle_sample call in flight, else None
 
 
 _warned: set[str] = set()
@@ -63,28 +67,108 @@ def _is_standalone() -> bool:
     return get_spec().speculative_algorithm == "STANDALONE"
 
 
-def row_weights(
-    batch: Any, settings: PluginSettings, device: torch.device, num_draft: int, head=None
-) -> torch.Tensor:
-    """`[B]` static weights from the batch's requests, or `[B, N]` when a learned head is on and
-    some row asked for it. Rows that did not ask, and rows the head cannot serve this step
-    (states missing or misaligned, or the head failed), keep their static w."""
-    params = batch_row_params(batch.reqs, settings.default_w)
-    static = torch.tensor([p.weight for p in params], dtype=torch.float32, device=device)  # [B]
-    if head is None or not any(p.learned for p in params):
-        return static
-    learned_rows = torch.tensor([p.learned for p in params], device=device)  # [B]
-    dial = torch.tensor([p.dial if p.learned else p.weight for p in params], device=device)  # [B]
-    rids = [req.rid for req in batch.reqs]
-    try:
-        w_t, ok = head.weights(rids, dial, num_draft)  # [B, N], [B]
-    except Exception as exc:  # a failing head costs quality control, never the batch
-        head.log.warn("head", f"dialspec learned head failed ({exc!r}); using the requests' static w")
-        return static
-    use = learned_rows & ok.to(device)  # [B]
-    if bool((learned_rows & ~use).any()):
-        head.log.warn("states", "dialspec learned head: no aligned states for some rows; static w used")
-    return torch.where(use.unsqueeze(1), w_t.to(device), static.unsqueeze(1).expand(-1, num_draft))
+def upload(rows: Sequence[Sequence[float]], device: torch.device) -> torch.Tensor:
+    """Host values -> a `[len(rows), B]` float32 tensor on `device`, as SGLang builds its own
+    per-batch tensors: pinned host memory and a non-blocking copy, so the CPU never waits."""
+    host = torch.tensor(rows, dtype=torch.float32, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+@dataclass
+class BatchPlan:
+    """What the verify step needs from a batch's requests, on the host and (once) on a device."""
+
+    rows: list[RowParams]
+    greedy: list[bool]  # SGLang's greedy: top_k == 1 (temperature 0 is rewritten to that)
+    has_head: bool
+    _device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def learned(self) -> list[bool]:
+        return [r.learned and self.has_head for r in self.rows]
+
+    @property
+    def stock(self) -> bool:
+        """Every row verifies at w = 1 (no learned row that could lower it): SGLang unchanged."""
+        return all(r.weight >= 1.0 for r in self.rows) and not any(self.learned)
+
+    @property
+    def any_greedy(self) -> bool:
+        return any(self.greedy)
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """`[4, B]` float32 on `device`: static w, greedy, learned, dial. Uploaded once."""
+        if device not in self._device:
+            dial = [r.dial if r.dial is not None else r.weight for r in self.rows]
+            host = [[r.weight for r in self.rows], self.greedy, self.learned, dial]
+            self._device[device] = upload(host, device)
+        return self._device[device]
+
+
+class StepPlanner:
+    """Builds `BatchPlan`s from `batch.reqs`, keeping the last one while the batch's requests
+    stay the same (a request's w, dial and greediness never change during its life)."""
+
+    def __init__(self, settings: PluginSettings, head=None):
+        self.settings, self.head = settings, head
+        self._key: tuple | None = None
+        self._plan: BatchPlan | None = None
+
+    def plan(self, reqs: Sequence[Any]) -> BatchPlan:
+        key = tuple((getattr(req, "rid", None), id(req)) for req in reqs)  # rids are unique per request
+        if key != self._key or self._plan is None:
+            rows = batch_row_params(reqs, self.settings.default_w)
+            greedy = [getattr(req.sampling_params, "top_k", TOP_K_ALL) <= 1 for req in reqs]  # as SGLang
+            self._key, self._plan = key, BatchPlan(rows, greedy, has_head=self.head is not None)
+        return self._plan
+
+    def weights(self, batch: Any, plan: BatchPlan, device: torch.device, num_draft: int) -> torch.Tensor:
+        """`[B, N]` w on `device`: static per row, or the learned head's per token where it has
+        states for a learned row (others keep their static w)."""
+        packed = plan.on(device)  # [4, B]
+        static = packed[0].unsqueeze(1).expand(-1, num_draft)  # [B, N]
+        if not any(plan.learned):
+            return static
+        head = self.head
+        try:
+            w_t, ok = head.weights([req.rid for req in batch.reqs], packed[3], num_draft)  # [B, N], host
+        except Exception as exc:  # a failing head costs quality control, never the batch
+            head.log.warn("head", f"dialspec learned head failed ({exc!r}); using the requests' static w")
+            return static
+        if any(learned and not good for learned, good in zip(plan.learned, ok, strict=True)):
+            head.log.warn("states", "dialspec learned head: no aligned states for some rows; static w used")
+        use = (packed[2] > 0.5) & head_rows_ok(ok, device)  # [B]
+        return torch.where(use.unsqueeze(1), w_t, static)
+
+
+_BOOLS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def head_rows_ok(ok: Sequence[bool], device: torch.device) -> torch.Tensor:
+    """`[B]` bool on `device` from a host list without a copy per step: a stack of two device
+    scalars made once per device (the head's row set changes every step)."""
+    if device not in _BOOLS:
+        _BOOLS[device] = (torch.zeros((), dtype=torch.bool, device=device),
+                          torch.ones((), dtype=torch.bool, device=device))  # fmt: skip
+    false, true = _BOOLS[device]
+    return torch.stack([true if good else false for good in ok])
+
+
+def row_weights(batch: Any, settings: PluginSettings, device: torch.device, num_draft: int, head=None):
+    """`[B, N]` weights for one batch (a fresh planner: for tests and one-off callers)."""
+    planner = StepPlanner(settings, head)
+    return planner.weights(batch, planner.plan(batch.reqs), device, num_draft)
+
+
+@dataclass
+class VerifyStep:
+    """What the kernel hook needs from the eagle_sample call in flight."""
+
+    weights: torch.Tensor  # [B, N]
+    greedy: torch.Tensor  # [B] bool
+    any_greedy: bool
+    logits: torch.Tensor | None  # [B·(N+1), V], penalised and masked in place by SGLang; None: no mask
+    bias: torch.Tensor | None  # [B, V] sampling_info.logit_bias
 
 
 def _original_logprobs_requested() -> bool:
@@ -94,99 +178,76 @@ def _original_logprobs_requested() -> bool:
     return bool(envs.SGLANG_RETURN_ORIGINAL_LOGPROB.get())
 
 
-def make_eagle_sample_hook(settings: PluginSettings, head=None) -> Callable:
-    """AROUND hook for `eagle_sample(verify_input, batch, logits_output, ...)`.
-
-    Log-probs (`return_logprob`): SGLang computes them after eagle_sample, from
-    `logits_output.next_token_logits` (`compute_spec_logprobs`: log_softmax of the logits, over
-    the row's temperature unless the batch is all greedy). The hook leaves there, at draft slots
-    0..N−1, logits whose log-probs are log ν: greedy rows get log ν from the greedy edit itself,
-    sampled rows T·log ν (see `logprob_logits`). Slot N keeps the target's logits, so bonus
-    tokens report log p. Rows with w = 1 everywhere are untouched (stock).
-    """
+def make_eagle_sample_hook(
+    settings: PluginSettings, head=None, planner: StepPlanner | None = None
+) -> Callable:
+    """AROUND hook for `eagle_sample(verify_input, batch, logits_output, ...)` (module doc)."""
+    planner = planner or StepPlanner(settings, head)
 
     def eagle_sample_around(original_fn, verify_input, batch, logits_output, *args, **kwargs):
         if batch.forward_mode.is_idle() or not _is_standalone():
             return original_fn(verify_input, batch, logits_output, *args, **kwargs)
-        bs = len(batch.reqs)
-        n1 = verify_input.draft_token_num  # N + 1 slots
-        raw = logits_output.next_token_logits  # [B*(N+1), V]
-        logprobs = bool(getattr(batch, "return_logprob", False))
-        keep_raw = logprobs and _original_logprobs_requested()
-        logits = raw.clone() if keep_raw else raw  # edited for sampling; raw kept for "original"
-        w = row_weights(batch, settings, logits.device, n1 - 1, head)  # [B] or [B, N]
-        w2 = w if w.dim() == 2 else w.unsqueeze(1).expand(bs, n1 - 1)  # [B, N]
+        plan = planner.plan(batch.reqs)
         q = verify_input.draft_probs  # [B, N, V] or None
-        greedy = (batch.sampling_info.top_ks <= 1).view(-1).to(logits.device)  # [B]
-        if bool(greedy.any()):
-            if q is None:
-                _warn_once("dialspec: no draft probs for greedy rows; verifying them losslessly (w = 1)")
-            else:
-                view = logits.view(bs, n1, -1)  # [B, N+1, V]
-                rows = greedy.nonzero().squeeze(-1)
-                view[rows] = greedy_nu_logits(view[rows], q[rows], w2[rows])
-        _step.weights = torch.where(greedy.unsqueeze(1), torch.ones_like(w2), w2)  # [B, N]
-        logits_output.next_token_logits = logits
+        if plan.stock:
+            return original_fn(verify_input, batch, logits_output, *args, **kwargs)
+        if q is None:  # only if the draft ran without our draft hook
+            _warn_once("dialspec: no draft probs in this verify step; verifying it losslessly (w = 1)")
+            return original_fn(verify_input, batch, logits_output, *args, **kwargs)
+        n = verify_input.draft_token_num - 1
+        logits = logits_output.next_token_logits  # [B*(N+1), V]
+        info = batch.sampling_info
+        w = planner.weights(batch, plan, logits.device, n)  # [B, N]
+        greedy = plan.on(logits.device)[1] > 0.5  # [B]
+        bias = getattr(info, "logit_bias", None)
+        _step.ctx = VerifyStep(w, greedy, plan.any_greedy, logits, bias)
+        all_greedy = info.is_all_greedy
+        info.is_all_greedy = False  # greedy rows need the chain kernel (argmax ν̃ needs q)
         try:
             result = original_fn(verify_input, batch, logits_output, *args, **kwargs)
         finally:
-            _step.weights = None
-            if keep_raw:
-                logits_output.next_token_logits = raw
-        if logprobs and not keep_raw and q is not None:
-            sampled = ~greedy & (w2 < 1.0).any(dim=1)  # [B]
-            if bool(sampled.any()):
-                temps = batch.sampling_info.temperatures.view(-1).to(logits.device)  # [B]
-                out = logits_output.next_token_logits.clone().view(bs, n1, -1)  # [B, N+1, V]
-                rows = sampled.nonzero().squeeze(-1)
-                out[rows] = logprob_logits(out[rows], q[rows], w2[rows], temps[rows])
-                logits_output.next_token_logits = out.view(bs * n1, -1)
+            _step.ctx = None
+            info.is_all_greedy = all_greedy
+        if getattr(batch, "return_logprob", False) and not _original_logprobs_requested():
+            b = w.shape[0]
+            temps = info.temperatures.reshape(b)  # [B]; greedy rows have T = 1
+            nu_logprob_logits_(logits.view(b, n + 1, -1), q, w, temps, bias=bias)
         return result
 
     return eagle_sample_around
 
 
-def logprob_logits(
-    logits: torch.Tensor, draft_probs: torch.Tensor, weights: torch.Tensor, temperatures: torch.Tensor
-) -> torch.Tensor:
-    """`[R, N+1, V]` logits whose SGLang log-probs at slots 0..N−1 are log ν; slot N unchanged.
-
-    `logits` `[R, N+1, V]` are the (penalised) target logits; p = softmax(logits / T) is SGLang's
-    log-prob distribution (before top-k/top-p); ν = w·p + (1−w)·q via `mix_target_probs`.
-    `compute_spec_logprobs` takes log_softmax(x / T) of a sampled row, and
-    log_softmax(T·log ν / T) = log ν because ν sums to 1.
-    """
-    t = temperatures.to(logits.dtype).view(-1, 1, 1)  # [R, 1, 1]
-    p = (logits.float() / t.float()).softmax(dim=-1)  # [R, N+1, V]
-    nu = mix_target_probs(p, draft_probs.float(), weights)  # [R, N+1, V]; slot N = p
-    n = draft_probs.shape[1]
-    out = logits.clone()
-    out[:, :n] = (t.float() * nu[:, :n].clamp_min(_LOG_FLOOR).log()).to(logits.dtype)
-    return out
-
-
 def chain_kernel_around(original_fn, *args, **kwargs):
-    """Substitute ν for p at draft slots when eagle_sample published weights for this step."""
-    w = getattr(_step, "weights", None)
-    if w is not None and "target_probs" in kwargs and kwargs.get("draft_probs") is not None:
-        kwargs["target_probs"] = mix_target_probs(kwargs["target_probs"], kwargs["draft_probs"], w)
+    """Write ν̃ over p at draft slots (in place) when eagle_sample's hook published a step."""
+    step = getattr(_step, "ctx", None)
+    target, draft = kwargs.get("target_probs"), kwargs.get("draft_probs")
+    if step is not None and target is not None and draft is not None:
+        b, n1, v = target.shape
+        nu_into_target_probs_(
+            target, draft, step.weights, bias=step.bias,
+            logits=None if step.logits is None else step.logits.view(b, n1, v),
+            greedy=step.greedy, any_greedy=step.any_greedy,
+        )  # fmt: skip
     return original_fn(*args, **kwargs)
 
 
-def draft_forward_around(original_fn, self, forward_batch, *args, **kwargs):
-    """Build q for all-greedy batches too (greedy ν needs it); restore the flag afterwards."""
-    info = getattr(forward_batch, "sampling_info", None)
-    if info is None or not info.is_all_greedy or not _is_standalone():
-        return original_fn(self, forward_batch, *args, **kwargs)
-    info.is_all_greedy = False
-    try:
-        return original_fn(self, forward_batch, *args, **kwargs)
-    finally:
-        info.is_all_greedy = True
+def make_draft_hook(settings: PluginSettings, head=None, planner: StepPlanner | None = None) -> Callable:
+    """AROUND hook for `EagleDraftWorker.draft(batch, ...)`: an all-greedy batch with some row
+    w < 1 drafts as a sampled batch, so q exists (greedy rows still propose argmax q:
+    `sample_draft_proposal` honours top_k == 1 per row) and the draft CUDA graph replayed is the
+    one that builds q. All-w = 1 batches keep the stock greedy path and graph."""
+    planner = planner or StepPlanner(settings, head)
 
+    def draft_around(original_fn, worker, batch, *args, **kwargs):
+        info = getattr(batch, "sampling_info", None)
+        if info is None or not info.is_all_greedy or batch.forward_mode.is_idle() or not _is_standalone():
+            return original_fn(worker, batch, *args, **kwargs)
+        if planner.plan(batch.reqs).stock:
+            return original_fn(worker, batch, *args, **kwargs)
+        info.is_all_greedy = False
+        try:
+            return original_fn(worker, batch, *args, **kwargs)
+        finally:
+            info.is_all_greedy = True
 
-def graph_variant_around(original_fn, self, forward_batch, *args, **kwargs):
-    """Replay the draft graph that produces q, never the greedy variant that skips it."""
-    if _is_standalone():
-        return None
-    return original_fn(self, forward_batch, *args, **kwargs)
+    return draft_around
