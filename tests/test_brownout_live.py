@@ -61,6 +61,22 @@ def test_min_quality_is_strictly_typed_and_documented(served):
     assert {"type": "string", "enum": ["lite", "standard", "pro", "exact"]} in prop["anyOf"]
 
 
+def test_the_schema_states_where_a_floor_is_refused(served):
+    """What the dial refuses that JSON Schema can state is in the OpenAPI document (the fuzz test
+    holds the server to it); a body the rules reject is what the server answers 400."""
+    import jsonschema
+
+    doc = httpx.get(served[0].url + "/openapi.json").json()
+    rules = {"allOf": doc["components"]["schemas"]["ChatCompletionRequest"]["allOf"]}
+    for body in ({"mode": "autoregressive"}, {"verifier": "typical"}, {"quality": "auto"}):
+        jsonschema.validate(body, rules)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**body, "min_quality": 0}, rules)
+    jsonschema.validate({"quality": "pro", "min_quality": 0}, rules)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"model": "pair:auto", "min_quality": "lite"}, rules)
+
+
 def test_served_and_requested_quality_are_reported_in_body_headers_and_first_chunk(served):
     srv, gw = served
     assert gw.brownout.level == 0

@@ -68,6 +68,31 @@ STREAM_RULE = {
 }
 
 
+# What `verifier.dial.resolve_floor` refuses, as far as JSON Schema can say it: a floor on a
+# request brownout cannot lower (autoregressive, a baseline verifier, the learned head's "auto",
+# also as a `:auto` model name). It cannot compare two numbers: a floor above the request's own
+# quality is refused by the dial alone (400 invalid_min_quality, as the field's description says).
+_NO_FLOOR = {"properties": {"min_quality": {"type": "null"}}}
+FLOOR_RULES = [
+    {"if": {"properties": {"mode": {"const": "autoregressive"}}, "required": ["mode"]}, "then": _NO_FLOOR},
+    {
+        "if": {
+            "properties": {"verifier": {"enum": [p for p in POLICY_NAMES if p != "ensemble"]}},
+            "required": ["verifier"],
+        },
+        "then": _NO_FLOOR,
+    },  # fmt: skip
+    {"if": {"properties": {"quality": {"const": AUTO}}, "required": ["quality"]}, "then": _NO_FLOOR},
+    {
+        "if": {
+            "properties": {"model": {"pattern": f":{AUTO}$"}, "quality": {"type": "null"}},
+            "required": ["model"],
+        },
+        "then": _NO_FLOOR,
+    },  # fmt: skip
+]
+
+
 def _json_equal(a, b) -> bool:
     """Equality as JSON means it: false is not 0."""
     if isinstance(a, bool) or isinstance(b, bool):
@@ -158,7 +183,7 @@ class _Common(BaseModel):
     "2" is not 2); `request_models` narrows the limits that depend on the engine and settings."""
 
     model_config = ConfigDict(
-        extra="allow", json_schema_extra=lambda schema, _cls: _add_rules(schema, STREAM_RULE)
+        extra="allow", json_schema_extra=lambda schema, _cls: _add_rules(schema, STREAM_RULE, *FLOOR_RULES)
     )
 
     model: str = Field(min_length=1, max_length=256)
@@ -191,10 +216,12 @@ class _Common(BaseModel):
     )
     min_quality: StrictFloat | StrictInt | StrictStr | None = Field(
         None,
-        description="dialspec: the lowest quality (number in [0, 1] or tier name, at most `quality`) this "
-        "request may be served at when the server is overloaded and runs brownout; default: the requested "
-        "quality, so the request is never lowered. The response's `dialspec.quality` / `tier` say what was "
-        "served, `requested_quality` / `requested_tier` what was asked (also X-Dialspec-* headers).",
+        description="dialspec: the lowest quality (number in [0, 1] or tier name, at most the request's "
+        "quality: a floor above it is refused) this request may be served at when the server is overloaded "
+        "and runs brownout; only for a numeric or tier quality on the ensemble verifier; default: the "
+        "requested quality, so the request is never lowered. The response's `dialspec.quality` / `tier` "
+        "say what was served, `requested_quality` / `requested_tier` what was asked (also X-Dialspec-* "
+        "headers).",
     )
     verifier: Literal[POLICY_NAMES] | None = Field(
         None, description="dialspec: verification policy; baselines are for comparison runs"
@@ -362,7 +389,9 @@ def request_models(lim: Limits) -> tuple[type[ChatCompletionRequest], type[Compl
 
     class CompletionRequest(_Limited, _CompletionBase):
         model_config = ConfigDict(
-            json_schema_extra=lambda schema, _cls: _add_rules(schema, STREAM_RULE, *choice_rules(lim.max_n))
+            json_schema_extra=lambda schema, _cls: _add_rules(
+                schema, STREAM_RULE, *FLOOR_RULES, *choice_rules(lim.max_n)
+            )
         )
         prompt: (
             NonEmptyStr
