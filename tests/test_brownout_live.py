@@ -211,3 +211,23 @@ def _poll_levels(url: str, seconds: float, out: list) -> None:
     while time.monotonic() < end:
         out.append(_level(url))
         time.sleep(0.2)
+
+
+def test_serve_takes_the_objective_from_the_command_line_and_refuses_a_bad_one():
+    import subprocess
+    import sys
+
+    from server.gateway.serve import _settings, register
+
+    parser = __import__("argparse").ArgumentParser()
+    register(parser.add_subparsers())
+    assert _settings(parser.parse_args(["serve", "--brownout-ttft", "1.5"])).brownout_ttft_s == 1.5
+    assert _settings(parser.parse_args(["serve"])).brownout_ttft_s == 0  # off unless asked
+    cmd = "import sys; from server.cli import main; sys.exit(main(sys.argv[1:]))"
+    out = subprocess.run(
+        [sys.executable, "-c", cmd, "serve", "--brownout-ttft", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "brownout_ttft_s" in out.stderr

@@ -60,6 +60,13 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", action="append", dest="api_keys", help="require this Bearer key (repeatable)")
     p.add_argument("--max-waiting", type=int, help="queued requests beyond which the server answers 429")
     p.add_argument(
+        "--brownout-ttft",
+        type=float,
+        metavar="SECONDS",
+        help="brownout: under overload, serve requests that set a min_quality lower (never below it) to "
+        "hold this time to first token; 0 = off (default; DIALSPEC_BROWNOUT_TTFT_S)",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         help="seconds in-flight requests get to finish after SIGTERM (default 30; DIALSPEC_DRAIN_TIMEOUT_S)",
@@ -114,6 +121,7 @@ def _settings(args):
             api_keys=args.api_keys,
             max_waiting=args.max_waiting,
             drain_timeout_s=args.drain_timeout,
+            brownout_ttft_s=args.brownout_ttft,
         )
     except FileNotFoundError as exc:
         raise CLIError(f"{exc}; fix --config or DIALSPEC_CONFIG") from None
