@@ -13,6 +13,9 @@ from rich.table import Table
 WIDTH = 50
 
 
+LAG_WARN_MS = 100  # the generator's own lag past which its latencies are not the server's
+
+
 def _fmt(value, digits: int = 2) -> str:
     if value is None:
         return "n/a"
@@ -82,6 +85,13 @@ def benchmark_block(phase: dict) -> str:
         for key, name in (("ttft_ms_p50", "Median TTFT (ms):"), ("e2e_ms_p50", "Median E2EL (ms):")):
             first, last = _fmt(d["first_third"][key]), _fmt(d["last_third"][key])
             lines.append(f"{name:<30}{first:>9} ->{last:>9}")
+    lag = phase.get("client_lag_ms") or {}
+    if lag.get("p99") is not None:
+        lines.append(_line("Load generator lag p99 (ms):", lag["p99"]))
+        if lag["p99"] > LAG_WARN_MS:
+            lines.append(
+                f"! the load generator fell behind (> {LAG_WARN_MS} ms): latencies include its delay"
+            )
     lines.append("=" * WIDTH)
     return "\n".join(lines)
 

@@ -7,6 +7,11 @@ exactly once: sent = successes + failures.
 
 Phase duration (the denominator of throughputs) runs from the phase start to the end of the last
 request, as in `vllm bench serve`.
+
+Client lag: a task sleeps 50 ms at a time through the phase and records how late it wakes. The
+generator times requests on its own event loop, so when that loop falls behind (too many streams
+for its core) every latency it reports includes its own delay; a large lag says the numbers
+measure the load generator, not the server.
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
 from loadtest.client import RequestOptions, RequestRecord, RequestSpec, send
 from loadtest.schedule import LoadShape, poisson_arrivals
+
+_LAG_TICK_S = 0.05
 
 
 @dataclass
@@ -29,6 +36,7 @@ class PhaseResult:
     duration: float  # seconds, start to last completion
     planned: int  # requests in the plan (the count bound)
     stopped_by: str  # "count" (all planned requests sent) or "duration"
+    client_lag: list[float] = field(default_factory=list)  # seconds late, per 50 ms wake-up
 
 
 async def run_phase(
@@ -44,6 +52,15 @@ async def run_phase(
     records: list[RequestRecord] = []
     start = time.perf_counter()
     deadline = start + duration
+    lags: list[float] = []
+
+    async def watch_lag() -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(_LAG_TICK_S)
+            lags.append(time.perf_counter() - t - _LAG_TICK_S)
+
+    watcher = asyncio.create_task(watch_lag())
 
     async def one(spec: RequestSpec) -> None:
         rec = await send(client, spec, opts, start)
@@ -82,6 +99,7 @@ async def run_phase(
         await asyncio.gather(*tasks)
 
     elapsed = time.perf_counter() - start
+    watcher.cancel()
     records.sort(key=lambda r: r.index)
     stopped_by = "count" if len(records) == len(plan) else "duration"
-    return PhaseResult(shape, records, elapsed, len(plan), stopped_by)
+    return PhaseResult(shape, records, elapsed, len(plan), stopped_by, lags)

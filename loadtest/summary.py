@@ -211,4 +211,5 @@ def summarize_phase(
         "tiers": tiers,
         "metrics_check": check,
         "drift": drift(records),
+        "client_lag_ms": summarize(result.client_lag, 1000.0),
     }

@@ -3,11 +3,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import httpx
 import pytest
 
+from loadtest.cli import plan_requests
 from loadtest.client import RequestOptions, RequestRecord, build_body
 from loadtest.prompts import Prompt
-from loadtest.summary import service_level
+from loadtest.render import benchmark_block
+from loadtest.runner import run_phase
+from loadtest.schedule import LoadShape
+from loadtest.summary import service_level, summarize_phase
 from loadtest.tiers import TierMixError, assign, parse_floor_mix, parse_tier_mix
 from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings
@@ -21,8 +29,6 @@ def test_floor_mix_sends_min_quality_except_for_none():
     assert parse_floor_mix(None) is None and parse_floor_mix("  ") is None
     with pytest.raises(TierMixError):
         parse_floor_mix("0:-1")
-    from loadtest.cli import plan_requests
-
     prompts = [Prompt(uid="p", messages=({"role": "user", "content": "hi"},))]
     plan = plan_requests(400, prompts, parse_tier_mix("exact"), floors, seed=1)
     opts = RequestOptions(model="m")
@@ -82,3 +88,23 @@ def test_live_overload_with_floors_reports_what_brownout_served(tmp_path, capsys
     assert report["config"]["floors"] == "0:0.7,none:0.3"
     shown = capsys.readouterr().out
     assert "Goodput, TTFT <= 300 ms (req/s):" in shown and "Served below the floor:" in shown
+
+
+def test_the_phase_reports_how_far_the_load_generator_fell_behind(tmp_path):
+    """A generator whose own event loop stalls reports it: the lag is in the phase, the warning in
+    the block (its latencies would include the stall)."""
+    prompts = [Prompt(uid="p", messages=({"role": "user", "content": "hi"},))]
+    plan = plan_requests(6, prompts, parse_tier_mix("exact"), None, seed=0)
+    opts = RequestOptions(model="scripted-pair", max_tokens=4)
+
+    async def phase(url, stall_s):
+        async with httpx.AsyncClient(base_url=url) as client:
+            result = await run_phase(
+                client, plan, opts, LoadShape("concurrency", 1), 30, 0, lambda rec: time.sleep(stall_s)
+            )
+        return summarize_phase(result)
+
+    with live_server(create_app(ScriptedEngine(step_delay=0.01), GatewaySettings())) as srv:
+        calm, stalled = asyncio.run(phase(srv.url, 0.0)), asyncio.run(phase(srv.url, 0.3))
+    assert stalled["client_lag_ms"]["max"] >= 250 > calm["client_lag_ms"]["p99"]
+    assert "fell behind" in benchmark_block(stalled) and "fell behind" not in benchmark_block(calm)

@@ -29,6 +29,12 @@ The control rule (every `TICK_S`, on the event loop, O(window)):
                 below still covers the arrival rate with 30 % headroom. The gap between the 10 %
                 and 30 % headrooms and the hold keep it from oscillating.
 When even level K cannot keep up, the bounded queue still answers 429 (admission.py).
+
+Known limits of the model (the feedback raise covers them, one level a second): a rung's time per
+token is measured under whatever load it last ran at, so rungs seen only in an overload read slow
+(the model then lowers further than needed, and recovers later than it could); and slot-seconds
+are taken to add up, while a batch mixing kinds of rows (draft-only with verified ones) runs
+slower per row than a batch of one kind.
 """
 
 from __future__ import annotations
