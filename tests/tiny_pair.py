@@ -61,3 +61,18 @@ def make_tiny_pair(root: Path, seed: int = 0) -> tuple[Path, Path]:
     _save_model(draft, tok, seed + 1, hidden=32, layers=1, heads=2, kv_heads=1)
     (root / "pair.json").write_text(json.dumps({"name": "tiny-pair", "seed": seed}))
     return target, draft
+
+
+def drafting_costs(max_batch: int, max_n: int):
+    """A cost model (`planner.set_cost`) under which the planner's choice of N moves with a row's
+    acceptance and with the batch: one row drafts from β ≈ 0.7 up (a draft step half the target's
+    forward), and verification grows with rows × positions, so larger batches draft less. The tiny
+    pair's own measured costs may make drafting never pay, which would leave N nothing to vary."""
+    from server.engine.embedded.planner.cost_model import CostModel
+
+    model = CostModel()
+    for r in range(1, max_batch + 1):
+        model.set("draft", r, 1, 2.2e-3)
+        for t in range(1, max_n + 2):
+            model.set("score", r, t, 4e-3 + 6e-4 * r * t)
+    return model

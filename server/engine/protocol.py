@@ -62,9 +62,8 @@ class SamplingOptions:
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    # Same seed + same request -> same output, batched or alone, when N is fixed (a per-request
-    # num_draft, or an engine with a fixed N). With the adaptive draft length the output law is
-    # unchanged, but which coin lands where follows the rounds the planner chose (load, timing).
+    # Same seed + same request -> same output on one embedded engine, batched or alone, under any
+    # load: a seeded (or greedy) row's adaptive N follows its own history alone (README, "Seeds").
     seed: int | None = None
     ignore_eos: bool = False  # keep going past EOS (benchmarks); explicit stop_token_ids still stop
 

@@ -372,7 +372,7 @@ class EmbeddedEngine:
             mode = RowMode.of(
                 v, fixed, strict_nu=not c.p_when_undrafted,
                 allow_draft_only=planner is not None and planner.force is None,
-                head_exact_at_top=pinned_top,
+                head_exact_at_top=pinned_top, reproducible=s.seed is not None or s.temperature <= 0,
             )  # fmt: skip
             return Row(request, sink, fixed or 0, self.tokenizer, self.eos_ids, mode)
         except ValueError as exc:  # e.g. Policy parameter ranges

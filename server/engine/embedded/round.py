@@ -347,6 +347,9 @@ def advance(b: RoundBatch, out: Outcome, weights: list) -> None:
     for i, (row, k, toks, w) in enumerate(zip(b.rows, out.num_accepted, out.tokens, weights, strict=True)):
         old_len = len(row.seq)
         row.record_round(k, [*w, fed[i]] if i in fed else w, b.n, bonus_from_nu=i in fed)
+        # The row's own acceptance evidence, here rather than in the planner's `learn` (after the
+        # round): a row that advanced has learned from its round even if a later row raises.
+        row.estimate.observe(out.accept_probs[i])
         row.tlen = old_len + k
         if i in fed:
             row.dlen = old_len + b.n

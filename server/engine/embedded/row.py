@@ -52,6 +52,11 @@ class RowMode:
                  the speculative path.
     eager_draft  the prefill feeds the prompt to the draft (it will surely run); other rows feed
                  it when they first draft.
+    reproducible an adaptive row whose output must not depend on the load: a seed was given, or
+                 greedy (whose bonus, from p or ν, also depends on N). The planner chooses its N
+                 from its own history and the start-up cost profile alone
+                 (`planner/draft_planner.py`), so the same request gives the same tokens in any
+                 batch under any load. Fixed-N rows are reproducible by construction.
     """
 
     adaptive: bool = False
@@ -61,6 +66,7 @@ class RowMode:
     draws_nu: bool = False
     draft_only: bool = False
     eager_draft: bool = False
+    reproducible: bool = False
 
     @classmethod
     def of(
@@ -71,8 +77,10 @@ class RowMode:
         strict_nu: bool = True,
         allow_draft_only: bool = False,
         head_exact_at_top: bool = False,
+        reproducible: bool = False,
     ) -> RowMode:
-        """`fixed`: the row's N, None for adaptive. `strict_nu`: adaptive rows draw from ν too."""
+        """`fixed`: the row's N, None for adaptive. `strict_nu`: adaptive rows draw from ν too.
+        `reproducible`: seeded or greedy (kept for adaptive rows only)."""
         adaptive = fixed is None
         speculative = adaptive or fixed > 0
         uses_head = v.learned and not (head_exact_at_top and v.dial >= 1.0)
@@ -81,7 +89,8 @@ class RowMode:
         draws_nu = needs_q and (strict_nu or not adaptive)
         draft_only = allow_draft_only and adaptive and ensemble and not v.learned and v.weight == 0.0
         eager_draft = draft_only or draws_nu or (not adaptive and speculative)
-        return cls(adaptive, speculative, uses_head, needs_q, draws_nu, draft_only, eager_draft)
+        reproducible = reproducible and adaptive
+        return cls(adaptive, speculative, uses_head, needs_q, draws_nu, draft_only, eager_draft, reproducible)
 
 
 @dataclass(eq=False)
