@@ -25,7 +25,14 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
-from server.engine.protocol import Engine, EngineInfo, GenerationRequest, SamplingOptions, check_sampling
+from server.engine.protocol import (
+    Engine,
+    EngineInfo,
+    GenerationRequest,
+    SamplingOptions,
+    check_sampling,
+    logprobs_refusal,
+)
 from server.gateway.errors import APIError, bad_request
 from server.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from verifier.dial import (
@@ -59,6 +66,7 @@ class Plan:
     stream: bool
     include_usage: bool
     trace: bool  # dialspec_trace: per-token provenance on every choice
+    logprobs: int | None = None  # alternatives per token when log-probs are asked for
 
 
 @dataclass
@@ -193,6 +201,9 @@ def plan(
             "dialspec_trace",
             code="trace_unsupported",
         )
+    logprobs = body.logprobs_count()
+    if logprobs is not None:
+        _check_logprobs(logprobs, dial, info)
     rid = uuid.uuid4().hex
     return Plan(
         kind=kind,
@@ -209,7 +220,22 @@ def plan(
         stream=body.stream,
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
         trace=body.dialspec_trace,
+        logprobs=logprobs,
     )
+
+
+def _check_logprobs(count: int, dial: DialPoint, info: EngineInfo) -> None:
+    """Log-probs only where the backend reports the law each token was drawn from (never made up)."""
+    if not info.token_logprobs:
+        raise bad_request(
+            f"logprobs are not supported: the {info.backend} backend does not report the law each token "
+            "was drawn from; remove logprobs from the request",
+            "logprobs",
+            code="logprobs_unsupported",
+        )
+    why = logprobs_refusal(count, dial.verification)
+    if why:
+        raise bad_request(why, "logprobs")
 
 
 def tokenize(kind: str, body, engine: Engine) -> list[list[int]]:
@@ -248,6 +274,7 @@ def build(p: Plan, prompts: list[list[int]], info: EngineInfo, settings) -> Prep
                     sampling=replace(p.sampling, max_tokens=max_tokens, seed=seed),
                     verify=p.dial.verification,
                     trace=p.trace,
+                    logprobs=p.logprobs,
                 )
             )
     return Prepared(

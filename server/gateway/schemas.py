@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, plus the dialspec extensions (responses: responses.py).
 
 Unknown fields are ignored (clients send `store`, `metadata`, ...), except those in `UNSUPPORTED`:
-fields whose *absence* would change what the client gets back (tools, logprobs, response_format,
+fields whose *absence* would change what the client gets back (tools, response_format, logit_bias,
 ...) are rejected with a 400 naming the field instead of being silently dropped.
 
 dialspec extensions (top level; the `openai` client's `extra_body` puts them there):
@@ -32,7 +32,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from server.engine.protocol import MAX_TOP_K, MIN_TOP_P
+from server.engine.protocol import MAX_TOP_K, MAX_TOP_LOGPROBS, MIN_TOP_P
 from verifier.dial import AUTO, POLICY_NAMES
 
 # field -> value(s) that are the same as not sending it (accepted and ignored)
@@ -42,8 +42,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, False),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}),
     "presence_penalty": (None, 0, 0.0),
@@ -66,6 +64,41 @@ STREAM_RULE = {
 }
 
 
+def logprobs_rules(chat: bool) -> list[dict]:
+    """What `ChatCompletionRequest._top_logprobs` and `protocol.logprobs_refusal` check: chat's
+    top_logprobs >= 1 needs logprobs true; log-probs with a baseline verifier need the target
+    alone (mode autoregressive: p has a law, a baseline's tokens follow none that is reported)."""
+    on = {"const": True} if chat else {"type": "integer"}
+    baseline = {"enum": [p for p in POLICY_NAMES if p != "ensemble"]}
+    rules = [
+        {
+            "if": {
+                "properties": {"verifier": baseline, "logprobs": on},
+                "required": ["verifier", "logprobs"],
+            },
+            "then": {"properties": {"mode": {"const": "autoregressive"}}, "required": ["mode"]},
+        }
+    ]
+    if chat:
+        top = {"top_logprobs": {"type": "integer", "minimum": 1}}
+        rules.append(
+            {
+                "if": {"properties": top, "required": ["top_logprobs"]},
+                "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+            }
+        )
+    return rules
+
+
+LOGPROBS_DOC = (
+    "log-probabilities of the law each token was drawn from: ν = w·p + (1−w)·q at its position "
+    "(so the target's p at quality 1, the draft's q at quality 0), or p where the token came from the "
+    "target alone (rounds without drafts; autoregressive mode). After temperature, top-k and top-p "
+    "(tokens they exclude read -9999.0); at temperature 0, the law whose most likely token was taken. "
+    "Not for baseline verifiers; backends that cannot report it (SGLang) answer 400."
+)
+
+
 def _json_equal(a, b) -> bool:
     """Equality as JSON means it: false is not 0."""
     if isinstance(a, bool) or isinstance(b, bool):
@@ -76,6 +109,8 @@ def _json_equal(a, b) -> bool:
 def _add_rules(schema: dict, *rules: dict) -> None:
     """The schema's extras: cross-field rules, and the unsupported fields with their neutral values."""
     schema.setdefault("allOf", []).extend(rules)
+    if "logprobs" in schema["properties"]:  # chat and completions (their own rules, one place)
+        schema["allOf"].extend(logprobs_rules(chat="top_logprobs" in schema["properties"]))
     for name, neutral in UNSUPPORTED.items():
         values = [v for i, v in enumerate(neutral) if not any(_json_equal(v, w) for w in neutral[:i])]
         schema["properties"][name] = {
@@ -217,6 +252,21 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: json_int(ge=1) | None = None
+    logprobs: StrictBool | None = Field(None, description=f"dialspec: {LOGPROBS_DOC}")
+    top_logprobs: json_int(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
+        None, description="the most likely tokens of that law per position (needs logprobs: true)"
+    )
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value, info):
+        if value and not info.data.get("logprobs"):  # logprobs is validated first (declared first)
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    def logprobs_count(self) -> int | None:
+        """Alternatives per token when log-probs are asked for, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def prompt_count(self) -> int:
         return 1
@@ -233,6 +283,13 @@ class CompletionRequest(_Common):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
+
+    logprobs: json_int(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
+        None, description=f"dialspec: this many most likely tokens per position, with the {LOGPROBS_DOC}"
+    )
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from server.engine.embedded import logprobs
 from server.engine.embedded.models import Models
 from server.engine.embedded.round import RoundBatch, draft
 from server.engine.embedded.row import Row
@@ -43,10 +44,12 @@ def run_draft_only_round(models: Models, rows: list[Row], n: int, timers: StepTi
         with timers.phase("draft", dev, count=n):
             drafts = draft(models, batch)
         tokens = drafts.tokens.tolist()  # [R][n], one device read
-        for row, toks in zip(rows, tokens, strict=True):
+        laws = logprobs.draft_only_laws(batch, drafts)
+        lps = logprobs.gather(rows, laws, {i: tokens[i] for i in laws})
+        for i, (row, toks) in enumerate(zip(rows, tokens, strict=True)):
             row.dlen = len(row.seq) + n - 1
             row.record_draft_only(n)
-            row.emit_tokens(toks)
+            row.emit_tokens(toks, lps.get(i))
     timers.draft_tokens += n * len(rows)
     timers.row_rounds += len(rows)
     if models.planner is not None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from server.engine.embedded.detokenize import TokenBytes
 from server.engine.embedded.dtype_choice import DTYPES, choose_dtype
 from server.engine.embedded.models import Models, WeightHead
 from server.engine.embedded.row import Row, RowMode
@@ -38,6 +39,7 @@ from server.engine.protocol import (
     GenerationRequest,
     SamplingOptions,
     check_sampling,
+    logprobs_refusal,
 )
 from verifier.dial import DEFAULT_AUTO_DIAL, DialError
 
@@ -169,7 +171,9 @@ class EmbeddedEngine:
             vocab_size=self.vocab_size,
             max_token_bytes=max_token_bytes(self.tokenizer),
             token_provenance=True,  # rows report each token's source and w (row.py, `_provenance`)
+            token_logprobs=True,  # rows report the log-probs of each token's law (logprobs.py)
         )
+        self.token_bytes = TokenBytes(self.tokenizer)  # shared by the rows that report log-probs
         self.scheduler: Scheduler | None = None
         self._stopping = False
 
@@ -356,6 +360,8 @@ class EmbeddedEngine:
             )
         elif v.learned and c.head is None:
             bad = "learned weights requested but this engine has no weight head loaded"
+        elif request.logprobs is not None:
+            bad = self._logprobs_refusal(request)
         else:
             try:
                 v.validate(c.max_num_draft)
@@ -374,9 +380,17 @@ class EmbeddedEngine:
                 allow_draft_only=planner is not None and planner.force is None,
                 head_exact_at_top=pinned_top, reproducible=s.seed is not None or s.temperature <= 0,
             )  # fmt: skip
-            return Row(request, sink, fixed or 0, self.tokenizer, self.eos_ids, mode)
+            return Row(
+                request, sink, fixed or 0, self.tokenizer, self.eos_ids, mode, token_bytes=self.token_bytes
+            )
         except ValueError as exc:  # e.g. Policy parameter ranges
             raise EngineError(str(exc), "invalid_request") from exc
+
+    def _logprobs_refusal(self, request: GenerationRequest) -> str | None:
+        """Why `request.logprobs` cannot be served, or None."""
+        if self.config.forced_tv is not None:
+            return "logprobs: this engine forces acceptance for timing (forced_tv); its tokens follow no law"
+        return logprobs_refusal(request.logprobs, request.verify)
 
     def submit(self, request: GenerationRequest, sink) -> Row:
         """Thread-safe enqueue (used by `generate` and by the synchronous benchmark)."""

@@ -18,6 +18,7 @@ from server.engine.embedded.round import (
     RoundBatch,
     Scores,
     advance,
+    attach_logprobs,
     bonus,
     check,
     draft,
@@ -102,4 +103,5 @@ def first_tokens(models: Models, rows: list[Row], hidden: torch.Tensor) -> None:
     out = check(b, drafts, scores, weights)
     if any(row.mode.draws_nu for row in rows):
         bonus(models, b, drafts, scores, out)
+    attach_logprobs(b, drafts, scores, out, per_position)
     advance(b, out, per_position)

@@ -34,10 +34,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from server.engine.embedded import logprobs
 from server.engine.embedded.models import Models
 from server.engine.embedded.row import Row
 from server.engine.embedded.timers import StepTimers
-from verifier import PolicyBatch, PolicyKind, logits_to_probs, pick_tokens, tv_estimates, verify
+from verifier import PolicyBatch, PolicyKind, ensemble_mix, logits_to_probs, pick_tokens, tv_estimates, verify
 from verifier.head import position_stats, wants_states, wants_stats
 
 
@@ -139,6 +140,8 @@ class Outcome:
     tv: list[list[float]]  # empty for greedy rows (their drafts are argmaxes, not draws from q)
     bonus_rows: list[int]  # rows that took a bonus draft step (see `bonus`)
     bonus_weights: list[float] = field(default_factory=list)  # their w at the bonus position
+    bonus_laws: dict[int, torch.Tensor] = field(default_factory=dict)  # ν [V] they drew from, if asked
+    logprobs: dict[int, list] = field(default_factory=dict)  # per row that asked (`logprobs.py`)
 
 
 def _feed_pending(models: Models, b: RoundBatch) -> torch.Tensor:
@@ -337,6 +340,16 @@ def bonus(models: Models, b: RoundBatch, d: Drafts, s: Scores, out: Outcome) -> 
     for i, token in zip(idx, result.tokens[:, 0].tolist(), strict=True):
         out.tokens[i][n] = token
     out.bonus_weights = w[:, 0].tolist()
+    for j in logprobs.wanting(sub.rows):  # the ν each drew from, for its log-probs
+        out.bonus_laws[idx[j]] = ensemble_mix(p[j, 0], q[j], w[j, 0])
+
+
+def attach_logprobs(b: RoundBatch, d: Drafts, s: Scores, out: Outcome, weights: list) -> None:
+    """The log-probs of each emitted token's law, for the rows that asked (`logprobs.py`)."""
+    if logprobs.wanting(b.rows):
+        laws = logprobs.speculative_laws(b, d, s, out, weights)
+        tokens = {i: out.tokens[i][: out.num_accepted[i] + 1] for i in laws}
+        out.logprobs = logprobs.gather(b.rows, laws, tokens)
 
 
 def advance(b: RoundBatch, out: Outcome, weights: list) -> None:
@@ -355,7 +368,7 @@ def advance(b: RoundBatch, out: Outcome, weights: list) -> None:
             row.dlen = old_len + b.n
         elif b.n:
             row.dlen = old_len + min(k, b.n - 1)
-        row.emit_tokens(toks[: k + 1])
+        row.emit_tokens(toks[: k + 1], out.logprobs.get(i))
 
 
 @torch.inference_mode()
@@ -379,6 +392,7 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> fl
             with timers.phase("bonus", dev, count=0):
                 bonus(models, batch, drafts, scores, out)
             timers.bonus_steps += bool(out.bonus_rows)
+        attach_logprobs(batch, drafts, scores, out, per_position)
         advance(batch, out, per_position)
     timers.draft_tokens += n * len(rows)
     timers.row_rounds += len(rows)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.engine.embedded.detokenize import IncrementalDetokenizer, StopStringFilter
+from server.engine.embedded.detokenize import IncrementalDetokenizer, StopStringFilter, TokenBytes
 from server.engine.embedded.planner.draft_length import AcceptanceEstimate
-from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats, TokenTrace
+from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats, TokenLogprob, TokenTrace
 from verifier import Policy, PolicyKind
 from verifier.dial import Verification
 
@@ -111,6 +111,7 @@ class Row:
     stats: SpecStats = field(default_factory=SpecStats)
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     rounds: int = 0  # rounds this row has advanced in (the scheduler's fault-isolation mark)
+    token_bytes: TokenBytes | None = None  # renders tokens for log-probs (the engine shares one)
 
     def __post_init__(self):
         s, v = self.request.sampling, self.request.verify
@@ -133,6 +134,8 @@ class Row:
         # Each row owns its random stream, so its draws do not depend on who shares the batch.
         self.generator = torch.Generator().manual_seed(int(seed))
         self.detok = IncrementalDetokenizer(self.tokenizer, self.seq)
+        if self.request.logprobs is not None and self.token_bytes is None:
+            self.token_bytes = TokenBytes(self.tokenizer)
         self.stopper = StopStringFilter(s.stop)
         self.stats.accepted_per_position = [0] * self.num_draft
         # The latest round as `_provenance` reads it: (k, w per position, N, bonus drawn from ν).
@@ -183,9 +186,10 @@ class Row:
         self.stats.draft_only_tokens += n
         self.stats.weight_count += n  # w = 0 at each (weight_sum unchanged): mean w reads 0
 
-    def emit_tokens(self, tokens: list[int]) -> None:
+    def emit_tokens(self, tokens: list[int], logprobs: list | None = None) -> None:
         """Append one round's tokens in order (its k accepted drafts, then the correction or bonus;
-        `record_round` has just been told k), applying stop rules; sends one chunk to the sink."""
+        `record_round` has just been told k), applying stop rules; sends one chunk to the sink.
+        `logprobs`: one `logprobs.RawLogprob` per token, for rows that asked."""
         max_tokens = self.request.sampling.max_tokens
         pieces, emitted, finish = [], [], None  # pieces[i]: the text released with emitted[i]
         for tok in tokens:
@@ -210,6 +214,10 @@ class Row:
         chunk = GenerationChunk("".join(pieces), emitted, self.prompt_len, self.completion, finish)
         if self.request.trace:
             chunk.provenance = self._provenance(pieces)
+        if logprobs is not None:
+            chunk.logprobs = [
+                self._logprob(tok, raw) for tok, raw in zip(emitted, logprobs[: len(emitted)], strict=True)
+            ]
         self.send(chunk)
         if finish is not None:
             self.done = True
@@ -235,6 +243,10 @@ class Row:
                 weight = float(weights[i])
             out.append(TokenTrace(source, text, weight, i, n))
         return out
+
+    def _logprob(self, token_id: int, raw) -> TokenLogprob:
+        top = tuple(TokenLogprob(*self.token_bytes(t), lp) for t, lp in raw.top)
+        return TokenLogprob(*self.token_bytes(token_id), raw.logprob, top)
 
     def send(self, chunk: GenerationChunk) -> None:
         chunk.stats = copy.deepcopy(self.stats)
