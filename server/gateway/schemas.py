@@ -64,41 +64,6 @@ STREAM_RULE = {
 }
 
 
-def logprobs_rules(chat: bool) -> list[dict]:
-    """What `ChatCompletionRequest._top_logprobs` and `protocol.logprobs_refusal` check: chat's
-    top_logprobs >= 1 needs logprobs true; log-probs with a baseline verifier need the target
-    alone (mode autoregressive: p has a law, a baseline's tokens follow none that is reported)."""
-    on = {"const": True} if chat else {"type": "integer"}
-    baseline = {"enum": [p for p in POLICY_NAMES if p != "ensemble"]}
-    rules = [
-        {
-            "if": {
-                "properties": {"verifier": baseline, "logprobs": on},
-                "required": ["verifier", "logprobs"],
-            },
-            "then": {"properties": {"mode": {"const": "autoregressive"}}, "required": ["mode"]},
-        }
-    ]
-    if chat:
-        top = {"top_logprobs": {"type": "integer", "minimum": 1}}
-        rules.append(
-            {
-                "if": {"properties": top, "required": ["top_logprobs"]},
-                "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
-            }
-        )
-    return rules
-
-
-LOGPROBS_DOC = (
-    "log-probabilities of the law each token was drawn from: ν = w·p + (1−w)·q at its position "
-    "(so the target's p at quality 1, the draft's q at quality 0), or p where the token came from the "
-    "target alone (rounds without drafts; autoregressive mode). After temperature, top-k and top-p "
-    "(tokens they exclude read -9999.0); at temperature 0, the law whose most likely token was taken. "
-    "Not for baseline verifiers; backends that cannot report it (SGLang) answer 400."
-)
-
-
 def _json_equal(a, b) -> bool:
     """Equality as JSON means it: false is not 0."""
     if isinstance(a, bool) or isinstance(b, bool):
@@ -229,6 +194,41 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+
+def logprobs_rules(chat: bool) -> list[dict]:
+    """What `ChatCompletionRequest._top_logprobs` and `protocol.logprobs_refusal` check: chat's
+    top_logprobs >= 1 needs logprobs true; log-probs with a baseline verifier need the target
+    alone (mode autoregressive: p has a law, a baseline's tokens follow none that is reported)."""
+    on = {"const": True} if chat else {"type": "integer"}
+    baseline = {"enum": [p for p in POLICY_NAMES if p != "ensemble"]}
+    rules = [
+        {
+            "if": {
+                "properties": {"verifier": baseline, "logprobs": on},
+                "required": ["verifier", "logprobs"],
+            },
+            "then": {"properties": {"mode": {"const": "autoregressive"}}, "required": ["mode"]},
+        }
+    ]
+    if chat:
+        top = {"top_logprobs": {"type": "integer", "minimum": 1}}
+        rules.append(
+            {
+                "if": {"properties": top, "required": ["top_logprobs"]},
+                "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+            }
+        )
+    return rules
+
+
+LOGPROBS_DOC = (
+    "log-probabilities of the law each token was drawn from: ν = w·p + (1−w)·q at its position "
+    "(so the target's p at quality 1, the draft's q at quality 0), or p where the token came from the "
+    "target alone (rounds without drafts; autoregressive mode). After temperature, top-k and top-p "
+    "(tokens they exclude read -9999.0); at temperature 0, the law whose most likely token was taken. "
+    "Not for baseline verifiers; backends that cannot report it (SGLang) answer 400."
+)
 
 
 class ContentPart(BaseModel):
