@@ -17,6 +17,7 @@ both sides.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import httpx
@@ -27,7 +28,7 @@ import torch
 from server.engine.protocol import LOGPROB_FLOOR, EngineError, GenerationRequest, SamplingOptions
 from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings
-from tests.fake_sglang import FakeRuntime
+from tests.fake_sglang import sglang_gateway
 from tests.scripted_engine import live_server
 from tests.tiny_pair import drafting_costs
 from verifier import logits_to_probs
@@ -243,30 +244,20 @@ def test_misuse_is_a_400_naming_the_field(client):
 
 def test_sglang_backend_refuses_logprobs(tiny_pair):
     """No per-token law from the SGLang client yet: a 400, never log-probs silently dropped."""
-    from server.engine.sglang.client import SGLangEngine
-
-    runtime = FakeRuntime().start()
-    try:
-        engine = SGLangEngine(runtime.url, str(tiny_pair[0]), model="gpu-pair")
+    chat = {"model": "gpu-pair", "messages": MSG, "max_tokens": 4}
+    bodies = [
+        ("chat/completions", {**chat, "logprobs": True}),
+        ("completions", {"model": "gpu-pair", "prompt": "a", "max_tokens": 4, "logprobs": 0}),
+    ]
+    with sglang_gateway(tiny_pair[0]) as (engine, srv, runtime):
         assert engine.info.token_logprobs is False
-        with live_server(create_app(engine, GatewaySettings())) as srv:
-            bodies = [
-                (
-                    "chat/completions",
-                    {"model": "gpu-pair", "messages": MSG, "max_tokens": 4, "logprobs": True},
-                ),
-                ("completions", {"model": "gpu-pair", "prompt": "a", "max_tokens": 4, "logprobs": 0}),
-            ]
-            for path, body in bodies:
-                for stream in (False, True):
-                    r = httpx.post(f"{srv.url}/v1/{path}", json={**body, "stream": stream}, timeout=30)
-                    err = r.json()["error"]
-                    assert r.status_code == 400 and err["param"] == "logprobs", r.text
-                    assert err["code"] == "logprobs_unsupported" and "sglang" in err["message"]
-            sent = len(runtime.requests)
-            off = {"model": "gpu-pair", "messages": MSG, "max_tokens": 4, "logprobs": False}
-            r = httpx.post(srv.url + "/v1/chat/completions", json=off, timeout=30)
-            assert r.status_code == 200 and len(runtime.requests) == sent + 1
-            assert json.loads(r.text)["choices"][0]["logprobs"] is None
-    finally:
-        runtime.stop()
+        sent = len(runtime.requests)  # (the readiness probe's)
+        for (path, body), stream in itertools.product(bodies, (False, True)):
+            r = httpx.post(f"{srv.url}/v1/{path}", json={**body, "stream": stream}, timeout=30)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "logprobs", r.text
+            assert err["code"] == "logprobs_unsupported" and "sglang" in err["message"]
+        assert len(runtime.requests) == sent  # refused before the runtime saw anything
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**chat, "logprobs": False}, timeout=30)
+        assert r.status_code == 200 and len(runtime.requests) == sent + 1
+        assert json.loads(r.text)["choices"][0]["logprobs"] is None
