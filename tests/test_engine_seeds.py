@@ -24,6 +24,7 @@ from tests.tiny_pair import drafting_costs
 from verifier.dial import PolicyKind, Verification
 
 MAX_BATCH = 4
+MSG_SHORT = [{"role": "user", "content": "Tom has 12 apples"}]
 
 
 def _head(h_draft, h_target, dial):
@@ -167,3 +168,44 @@ def test_a_reproducible_rows_n_reads_only_its_own_history():
     # its own evidence does move it
     seeded.estimate.observe([0.0] * 40)
     assert plan([seeded])[0] == 0
+
+
+def test_a_row_whose_round_did_not_run_is_planned_again_from_the_same_state(tiny_pair):
+    """A batched round that raises in `advance` leaves the rows after the raising one without their
+    round; the step's plan counted it for them (a plain round towards exploring). The scheduler
+    undoes that count, so the next plan sees the same history as without the fault. Driven step by
+    step on a scheduler of its own."""
+    from server.engine.embedded.scheduler import Scheduler
+
+    eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=2, max_context=96, profile_budget_s=0.3))
+    models = eng.load_models()
+    models.planner.set_cost(drafting_costs(2, eng.config.max_num_draft))
+    sched = Scheduler(models, 2)
+    ids = tuple(eng.encode_chat(MSG_SHORT))
+
+    class Exploding:  # raises when the first round after the prefill's token is emitted
+        fed = 0
+
+        def feed(self, text):
+            self.fed += 1
+            if self.fed > 1:
+                raise RuntimeError("stop filter bug")
+            return text, False
+
+        def flush(self):
+            return ""
+
+    def row(rid):  # w = 1 on the tiny pair: planned at N = 0, a plain round each step
+        request = GenerationRequest(rid, ids, SamplingOptions(max_tokens=8, seed=1, ignore_eos=True))
+        return eng.make_row(request, lambda _item: None)
+
+    poison, innocent = row("poison"), row("innocent")
+    poison.stopper = Exploding()
+    for r in (poison, innocent):
+        sched.submit(r)
+    sched.step()  # admission: each row's first token from the prefill, then their first round
+    assert poison.done and not innocent.done  # the poison raised first: the innocent never advanced
+    assert innocent.rounds == 1 and innocent.num_draft == 0
+    assert innocent.estimate.plain_rounds == 0  # the plan's count undone
+    sched.step()
+    assert innocent.rounds == 2 and innocent.estimate.plain_rounds == 1

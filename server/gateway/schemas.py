@@ -147,7 +147,11 @@ class _Common(BaseModel):
     )
     n: json_int(ge=1) = 1
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=4)] | None = None
-    seed: json_int(-JSON_SAFE_INT, JSON_SAFE_INT) | None = None
+    seed: json_int(-JSON_SAFE_INT, JSON_SAFE_INT) | None = Field(
+        None,
+        description="the same request with the same seed gives the same output on one running embedded "
+        "server, whatever its load and batching (choice j uses seed + j; README, 'Seeds')",
+    )
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
