@@ -30,7 +30,7 @@ from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings
 from tests.fake_sglang import sglang_gateway
 from tests.scripted_engine import live_server
-from tests.tiny_pair import drafting_costs
+from tests.tiny_pair import fixed_and_adaptive
 from verifier import logits_to_probs
 from verifier.dial import PolicyKind, Verification
 
@@ -56,13 +56,8 @@ def _engine(tiny_pair, num_draft):
 def engines(tiny_pair):
     """A fixed N = 3 (strict ν: every position drafted or drawn from ν) and the default adaptive N
     (with costs under which it drafts: bonuses and N = 0 rounds from p, quality 0 draft-only)."""
-    fixed, adaptive = _engine(tiny_pair, 3), _engine(tiny_pair, None)
-    for eng in (fixed, adaptive):
-        eng.start_sync()
-    adaptive.scheduler.models.planner.set_cost(drafting_costs(4, adaptive.config.max_num_draft))
-    yield {"fixed": fixed, "adaptive": adaptive}
-    for eng in (fixed, adaptive):
-        asyncio.run(eng.stop())
+    with fixed_and_adaptive(tiny_pair, max_batch=4, max_context=160, served_name=NAME, head=_head) as engines:
+        yield engines
 
 
 @pytest.fixture(scope="module")

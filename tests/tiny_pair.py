@@ -6,6 +6,7 @@ template, so they load through the same code path as any real pair. Deterministi
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -76,3 +77,29 @@ def drafting_costs(max_batch: int, max_n: int):
         for t in range(1, max_n + 2):
             model.set("score", r, t, 4e-3 + 6e-4 * r * t)
     return model
+
+
+@contextlib.contextmanager
+def fixed_and_adaptive(pair, **config):
+    """Two started embedded engines on `pair` with `config`: {"fixed": N = 3 (strict ν: every
+    position drafted or drawn from ν), "adaptive": the default adaptive N under `drafting_costs`
+    (so it drafts; bonuses and N = 0 rounds from p, quality 0 draft-only)}; stopped on exit."""
+    import asyncio
+
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+
+    engines = {
+        "fixed": EmbeddedEngine(EmbeddedEngineConfig(*pair, num_draft=3, **config)),
+        "adaptive": EmbeddedEngine(EmbeddedEngineConfig(*pair, num_draft=None, **config)),
+    }
+    for eng in engines.values():
+        eng.start_sync()
+    adaptive = engines["adaptive"]
+    adaptive.scheduler.models.planner.set_cost(
+        drafting_costs(adaptive.config.max_batch, adaptive.config.max_num_draft)
+    )
+    try:
+        yield engines
+    finally:
+        for eng in engines.values():
+            asyncio.run(eng.stop())

@@ -127,6 +127,15 @@ def logprobs_refusal(count, verify: Verification) -> str | None:
 
 
 @dataclass(frozen=True)
+class ResponseFormat:
+    """A constraint on the output (OpenAI's `response_format`): `json_object` (any JSON object) or
+    `json_schema` (`schema`, the JSON Schema as compact JSON text: hashable, the compile cache's key)."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str | None = None
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -140,6 +149,8 @@ class GenerationRequest:
     # (p where the token was drawn from the target's p, q in draft-only rounds). Only engines whose
     # `info.token_logprobs` is True honour it; the gateway refuses it (400) for the others.
     logprobs: int | None = None
+    # Constrain the output (`info.structured_output` engines; the gateway refuses it elsewhere).
+    response_format: ResponseFormat | None = None
 
 
 @dataclass
@@ -243,6 +254,7 @@ class EngineInfo:
 
     token_provenance: bool = False  # honours `GenerationRequest.trace` (per-token provenance)
     token_logprobs: bool = False  # honours `GenerationRequest.logprobs` (log-probs of the law drawn from)
+    structured_output: bool = False  # honours `GenerationRequest.response_format` at every quality
     # What this backend can do (a request asking for more is refused, never silently served as less):
     policies: tuple[PolicyKind, ...] = tuple(PolicyKind)  # rules Verification.policy may name
 

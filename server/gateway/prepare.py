@@ -20,6 +20,7 @@ Terms:
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -29,6 +30,7 @@ from server.engine.protocol import (
     Engine,
     EngineInfo,
     GenerationRequest,
+    ResponseFormat,
     SamplingOptions,
     check_sampling,
     logprobs_refusal,
@@ -67,6 +69,7 @@ class Plan:
     include_usage: bool
     trace: bool  # dialspec_trace: per-token provenance on every choice
     logprobs: int | None = None  # alternatives per token when log-probs are asked for
+    response_format: ResponseFormat | None = None  # the output's constraint (None: free text)
 
 
 @dataclass
@@ -204,6 +207,7 @@ def plan(
     logprobs = body.logprobs_count()
     if logprobs is not None:
         _check_logprobs(logprobs, dial, info)
+    response_format = _response_format(body, info)
     rid = uuid.uuid4().hex
     return Plan(
         kind=kind,
@@ -221,7 +225,32 @@ def plan(
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
         trace=body.dialspec_trace,
         logprobs=logprobs,
+        response_format=response_format,
     )
+
+
+def _response_format(body, info: EngineInfo) -> ResponseFormat | None:
+    """The body's output constraint for the engine (None for free text); 400 where the backend
+    cannot honour it (never served unconstrained)."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if not info.structured_output:
+        why = (
+            "the grammar engine is not installed (pip install 'dialspec[structured]')"
+            if info.backend == "embedded"
+            else "its verifier does not mask the draft's q yet"
+        )
+        raise bad_request(
+            f"response_format is not supported by this {info.backend} backend: {why}; remove "
+            "response_format from the request",
+            "response_format",
+            code="response_format_unsupported",
+        )
+    if fmt.type == "json_object":
+        return ResponseFormat("json_object")
+    schema = json.dumps(fmt.json_schema.schema_, sort_keys=True, separators=(",", ":"))
+    return ResponseFormat("json_schema", schema)
 
 
 def _check_logprobs(count: int, dial: DialPoint, info: EngineInfo) -> None:
@@ -275,6 +304,7 @@ def build(p: Plan, prompts: list[list[int]], info: EngineInfo, settings) -> Prep
                     verify=p.dial.verification,
                     trace=p.trace,
                     logprobs=p.logprobs,
+                    response_format=p.response_format,
                 )
             )
     return Prepared(

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, plus the dialspec extensions (responses: responses.py).
 
 Unknown fields are ignored (clients send `store`, `metadata`, ...), except those in `UNSUPPORTED`:
-fields whose *absence* would change what the client gets back (tools, response_format, logit_bias,
+fields whose *absence* would change what the client gets back (tools, logit_bias, penalties,
 ...) are rejected with a 400 naming the field instead of being silently dropped.
 
 dialspec extensions (top level; the `openai` client's `extra_body` puts them there):
@@ -43,7 +43,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, False),
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "audio": (None,),
@@ -123,6 +122,58 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 JSON_SAFE_INT = 2**53 - 1
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(
+        default_factory=dict, alias="schema", description="a JSON Schema (draft 2020-12 or older)"
+    )
+    strict: StrictBool | None = Field(
+        None, description="accepted for compatibility: the output always follows the schema"
+    )
+
+    @field_validator("schema_")
+    @classmethod
+    def _valid_schema(cls, value):
+        from jsonschema.exceptions import SchemaError
+        from jsonschema.validators import validator_for
+
+        try:
+            validator_for(value).check_schema(value)
+        except SchemaError as exc:
+            raise ValueError(f"not a valid JSON Schema: {exc.message}") from None
+        return value
+
+
+_FORMAT_RULE = {  # what `ResponseFormat._schema_with_its_type` checks
+    "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+    "then": {"required": ["json_schema"]},
+    "else": {"properties": {"json_schema": {"type": "null"}}},
+}
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_FORMAT_RULE]})
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema (only)")
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
+
+
+RESPONSE_FORMAT_DOC = (
+    "constrain the output: json_object (a JSON object) or json_schema (following the schema), at every "
+    "quality: both models are masked to what the grammar allows before ν is formed, so quality 1 samples "
+    "the constrained target exactly and quality 0 the constrained draft. JSON is compact (no free "
+    "whitespace) and ends with the model's end-of-sequence token. Backends that cannot honour it at the "
+    "requested quality answer 400."
+)
+
+
 class _Common(BaseModel):
     """Fields shared by chat and text completions. Numbers are strict (JSON true is not 1 and
     "2" is not 2); `request_models` narrows the limits that depend on the engine and settings."""
@@ -178,6 +229,7 @@ class _Common(BaseModel):
     )
     # The range is the engine's (EngineInfo.num_draft_limit), checked by verifier.dial.
     num_draft: json_int() | None = Field(None, description="dialspec: draft length N for this request")
+    response_format: ResponseFormat | None = Field(None, description=RESPONSE_FORMAT_DOC)
     dialspec_trace: StrictBool = Field(
         False,
         description="dialspec: report each token's provenance (draft / corrected / bonus / target) and "

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from server.engine.embedded.detokenize import IncrementalDetokenizer, StopStringFilter, TokenBytes
+from server.engine.embedded.grammar import RowGrammar
 from server.engine.embedded.planner.draft_length import AcceptanceEstimate
 from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats, TokenLogprob, TokenTrace
 from verifier import Policy, PolicyKind
@@ -112,6 +113,7 @@ class Row:
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     rounds: int = 0  # rounds this row has advanced in (the scheduler's fault-isolation mark)
     token_bytes: TokenBytes | None = None  # renders tokens for log-probs (the engine shares one)
+    grammar: RowGrammar | None = None  # the `response_format` constraint's state (`grammar.py`)
 
     def __post_init__(self):
         s, v = self.request.sampling, self.request.verify
@@ -129,7 +131,8 @@ class Row:
         self.weight = 1.0 if self.learned and not self.mode.uses_head else float(v.weight)
         self.dial = v.dial  # the learned head's input, None for static rows
         self.policy = Policy.of(v)
-        self.stop_ids = frozenset(s.stop_token_ids) | (frozenset() if _ignore_eos(s) else self.eos_ids)
+        ends = frozenset() if _ignore_eos(s) and self.grammar is None else self.eos_ids  # a grammar's end
+        self.stop_ids = frozenset(s.stop_token_ids) | ends
         seed = s.seed if s.seed is not None else random.SystemRandom().getrandbits(63)
         # Each row owns its random stream, so its draws do not depend on who shares the batch.
         self.generator = torch.Generator().manual_seed(int(seed))

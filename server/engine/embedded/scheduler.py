@@ -237,6 +237,8 @@ class Scheduler:
             if row.rounds != mark[0]:
                 return False
             row.generator.set_state(mark[1])  # as if the call had not drawn its coins
+            if row.grammar is not None:  # ... nor its matcher taken the round's drafts
+                row.grammar.settle(0, None)
             return True
 
         waiting = [(row, mark) for row, mark in zip(rows, marks, strict=True) if put_back(row, mark)]
