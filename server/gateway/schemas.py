@@ -147,7 +147,7 @@ class JsonSchemaFormat(BaseModel):
 
 _FORMAT_RULE = {  # what `ResponseFormat._schema_with_its_type` checks
     "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
-    "then": {"required": ["json_schema"]},
+    "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}},
     "else": {"properties": {"json_schema": {"type": "null"}}},
 }
 
