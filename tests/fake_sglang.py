@@ -22,6 +22,7 @@ counters). `set_reachable(False)` closes the listening socket (connection refuse
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -198,3 +199,21 @@ def free_port() -> int:
     port = sock.getsockname()[1]
     sock.close()
     return port
+
+
+@contextlib.contextmanager
+def sglang_gateway(tokenizer_dir, model: str = "gpu-pair"):
+    """A live gateway whose engine is the SGLang client, in front of a `FakeRuntime`:
+    `with sglang_gateway(dir) as (engine, server, runtime):` (all stopped on exit)."""
+    from server.engine.sglang.client import SGLangEngine
+    from server.gateway.app import create_app
+    from server.gateway.settings import GatewaySettings
+    from tests.scripted_engine import live_server
+
+    runtime = FakeRuntime().start()
+    try:
+        engine = SGLangEngine(runtime.url, str(tokenizer_dir), model=model)
+        with live_server(create_app(engine, GatewaySettings())) as srv:
+            yield engine, srv, runtime
+    finally:
+        runtime.stop()

@@ -49,9 +49,11 @@ def test_configurable_mapping_and_baselines():
     [(1.5, "quality"), (-0.1, "quality"), (True, "quality"), (float("nan"), "quality"), ("turbo", "quality")],
 )
 def test_bad_quality_names_the_field(quality, param):
-    with pytest.raises(DialError) as e:
-        resolve(quality)
-    assert e.value.param == param and e.value.code == "invalid_quality"
+    for mode in ("speculative", "autoregressive"):  # ignored in autoregressive mode, still checked
+        with pytest.raises(DialError) as e:
+            resolve(quality, mode=mode)
+        assert e.value.param == param and e.value.code == "invalid_quality"
+    assert resolve("exact", mode="autoregressive").label == "autoregressive"
 
 
 def test_unknown_tier_from_the_model_name_blames_the_model_field():

@@ -324,10 +324,11 @@ def test_first_draft_is_priced_like_a_draft_step_until_measured():
 
 def _row(lag: int):
     """A w = 1 adaptive row as the planner reads it (duck-typed), `lag` tokens ahead of its draft."""
+    from server.engine.embedded.row import RowMode
     from verifier.dial import PolicyKind
 
     return SimpleNamespace(
-        mode=SimpleNamespace(draft_only=False, adaptive=True, draws_nu=False), num_draft=0,
+        mode=RowMode(adaptive=True, speculative=True), num_draft=0,
         estimate=AcceptanceEstimate(), prior_weight=1.0, policy=SimpleNamespace(kind=PolicyKind.ENSEMBLE),
         draft_lag=lag, tokens_left=100,
     )  # fmt: skip

@@ -62,6 +62,20 @@ def test_bench_engine_quick_writes_every_row(tiny_pair, tmp_path):
     assert "## Cost model" in md and "x waves=1 at c=1, 2 at c=2" in md
 
 
+def test_bench_engine_reports_the_grammar_cost_per_round(tiny_pair, tmp_path):
+    """`--response-format json`: every engine request is constrained, and each row reports its
+    masks' host time per round."""
+    target, draft = tiny_pair
+    out = tmp_path / "bench"
+    argv = ["bench", "engine", "--quick", "--target", str(target), "--draft", str(draft), "--no-hf"]
+    assert main([*argv, "--tiers", "exact,lite", "--response-format", "json", "--out", str(out)]) == 0
+    report = json.loads((out / "engine.json").read_text())
+    assert report["meta"]["response_format"] == "json"
+    assert report["rows"] and all(r["grammar_ms"] > 0 for r in report["rows"])
+    md = (out / "engine.md").read_text()
+    assert "grammar ms" in md and "response_format json" in md
+
+
 def test_request_lengths_spread_evenly_around_the_mean():
     """Bench requests differ in length (so rows do not finish in lockstep) with the mean kept."""
     lengths = request_lengths(64, 24, 0.25)
@@ -326,7 +340,8 @@ def test_forced_acceptance_accepts_each_draft_with_probability_one_minus_w_tv():
     then one token."""
     from types import SimpleNamespace
 
-    from server.engine.embedded.round import Drafts, Outcome, Scores, force_acceptance
+    from server.engine.embedded.forced import force_acceptance
+    from server.engine.embedded.round import Drafts, Outcome, Scores
     from verifier import Policy, PolicyKind
 
     rows, n, vocab = 20000, 3, 7

@@ -11,25 +11,31 @@ import threading
 import pytest
 
 from server.engine.protocol import EngineError, GenerationRequest, SamplingOptions
+from verifier.dial import Verification
 
-MAX_TOKENS = 12
+MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_pair):
+@pytest.fixture(scope="module", params=[3, None], ids=["fixed_n", "adaptive_n"])
+def engine(tiny_pair, request):
+    """A fixed N, and the default adaptive N with costs under which N varies: seeded rows keep
+    their exact output through fault retries either way (their N follows their own history)."""
     from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+    from tests.tiny_pair import drafting_costs
 
     target, draft = tiny_pair
-    eng = EmbeddedEngine(EmbeddedEngineConfig(target, draft, num_draft=3, max_batch=4, max_context=128))
+    config = EmbeddedEngineConfig(target, draft, num_draft=request.param, max_batch=4, max_context=128)
+    eng = EmbeddedEngine(config)
     eng.start_sync()
+    eng.scheduler.models.planner.set_cost(drafting_costs(4, eng.config.max_num_draft))
     yield eng
     eng.scheduler.stop()
     eng.scheduler = None
 
 
-def request(rid: str, seed: int, **sampling) -> GenerationRequest:
+def request(rid: str, seed: int, weight: float = 1.0, **sampling) -> GenerationRequest:
     opts = {"temperature": 1.0, "max_tokens": MAX_TOKENS, "seed": seed, "ignore_eos": True, **sampling}
-    return GenerationRequest(rid, (5, 6, 7, 8 + seed), SamplingOptions(**opts))
+    return GenerationRequest(rid, (5, 6, 7, 8 + seed), SamplingOptions(**opts), Verification(weight=weight))
 
 
 class Collector:
@@ -128,6 +134,47 @@ def test_fault_while_emitting_fails_only_that_row(engine):
     out = run_together(engine, [innocent[0], innocent[1], request("poison", 4), innocent[2]], explode)
     assert isinstance(out[2].error, EngineError) and "RuntimeError" in str(out[2].error)
     assert [out[0].tokens, out[1].tokens, out[3].tokens] == alone and engine.fault is None
+
+
+@pytest.mark.parametrize("fault_after", [2, 4, 12])
+@pytest.mark.parametrize(
+    "weights",
+    [(0.5, 0.7, 0.3, 0.5), (0.7, 0.7, 0.7, 0.7), (0.5, 0.5, 0.5, 0.5)],
+    ids=["mixed", "w0.7", "w0.5"],
+)
+def test_fault_while_emitting_mid_request_keeps_the_others_exact(engine, fault_after, weights):
+    """The poisoned row raises in a later round's `advance`: the rows before it in the batch have
+    advanced (and learned their acceptance from the round), the rows after it run their round next
+    step. Under the adaptive N each must be planned as if nothing had happened: the evidence of an
+    advanced row is its own (`round.advance`), and a row whose round did not run is planned again
+    from the same state (`Scheduler.step`)."""
+    # (on the tiny pair with `drafting_costs` these tiers draft at N 1-3, and w = 0.7 stops
+    # drafting once its evidence says so: N moves with what each row has learned. Measured: with
+    # the evidence learned after the round, as before, 5 of these 9 cases failed)
+    innocent = [request(f"ok-{i}", seed=30 + i, weight=w) for i, w in enumerate(weights[:3])]
+    alone = [solo(engine, r) for r in innocent]
+
+    class ExplodingLater:
+        def __init__(self):
+            self.fed = 0
+
+        def feed(self, text):
+            self.fed += 1
+            if self.fed > fault_after:
+                raise RuntimeError("stop filter bug")
+            return text, False
+
+        def flush(self):
+            return ""
+
+    def explode(row):
+        if is_poisoned(row):
+            row.stopper = ExplodingLater()
+
+    poison = request("poison", 4, weight=weights[3])
+    out = run_together(engine, [innocent[0], poison, innocent[1], innocent[2]], explode)
+    assert isinstance(out[1].error, EngineError) and "RuntimeError" in str(out[1].error)
+    assert [out[0].tokens, out[2].tokens, out[3].tokens] == alone and engine.fault is None
 
 
 def test_sampling_values_are_served_as_the_engine_can(engine):

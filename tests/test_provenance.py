@@ -18,7 +18,7 @@ from server.engine.embedded.row import Row
 from server.engine.protocol import GenerationRequest, SamplingOptions
 from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings
-from tests.fake_sglang import FakeRuntime
+from tests.fake_sglang import sglang_gateway
 from tests.scripted_engine import live_server
 from verifier.dial import PolicyKind, Verification
 
@@ -267,23 +267,16 @@ def test_dial_endpoint(served):
 
 def test_sglang_backend_refuses_trace(tiny_pair):
     """SGLang reports aggregate counters only: the gateway says so instead of inventing a trace."""
-    from server.engine.sglang.client import SGLangEngine
-
-    runtime = FakeRuntime().start()
-    try:
-        engine = SGLangEngine(runtime.url, str(tiny_pair[0]), model="gpu-pair")
+    with sglang_gateway(tiny_pair[0]) as (engine, srv, runtime):
         assert engine.info.token_provenance is False
-        with live_server(create_app(engine, GatewaySettings())) as srv:
-            body = {"model": "gpu-pair", "messages": MSG, "max_tokens": 4, "dialspec_trace": True}
-            for stream in (False, True):
-                r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=30)
-                err = r.json()["error"]
-                assert r.status_code == 400 and err["param"] == "dialspec_trace", r.text
-                assert err["code"] == "trace_unsupported" and "sglang" in err["message"]
-            sent = len(runtime.requests)
-            off = {**body, "dialspec_trace": False}
-            r = httpx.post(srv.url + "/v1/chat/completions", json=off, timeout=30)
-            assert r.status_code == 200 and len(runtime.requests) == sent + 1
-            assert json.loads(r.text)["choices"][0].get("dialspec_trace") is None
-    finally:
-        runtime.stop()
+        body = {"model": "gpu-pair", "messages": MSG, "max_tokens": 4, "dialspec_trace": True}
+        for stream in (False, True):
+            r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=30)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "dialspec_trace", r.text
+            assert err["code"] == "trace_unsupported" and "sglang" in err["message"]
+        sent = len(runtime.requests)
+        off = {**body, "dialspec_trace": False}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=off, timeout=30)
+        assert r.status_code == 200 and len(runtime.requests) == sent + 1
+        assert json.loads(r.text)["choices"][0].get("dialspec_trace") is None

@@ -6,6 +6,7 @@ template, so they load through the same code path as any real pair. Deterministi
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -61,3 +62,44 @@ def make_tiny_pair(root: Path, seed: int = 0) -> tuple[Path, Path]:
     _save_model(draft, tok, seed + 1, hidden=32, layers=1, heads=2, kv_heads=1)
     (root / "pair.json").write_text(json.dumps({"name": "tiny-pair", "seed": seed}))
     return target, draft
+
+
+def drafting_costs(max_batch: int, max_n: int):
+    """A cost model (`planner.set_cost`) under which the planner's choice of N moves with a row's
+    acceptance and with the batch: one row drafts from β ≈ 0.7 up (a draft step half the target's
+    forward), and verification grows with rows × positions, so larger batches draft less. The tiny
+    pair's own measured costs may make drafting never pay, which would leave N nothing to vary."""
+    from server.engine.embedded.planner.cost_model import CostModel
+
+    model = CostModel()
+    for r in range(1, max_batch + 1):
+        model.set("draft", r, 1, 2.2e-3)
+        for t in range(1, max_n + 2):
+            model.set("score", r, t, 4e-3 + 6e-4 * r * t)
+    return model
+
+
+@contextlib.contextmanager
+def fixed_and_adaptive(pair, **config):
+    """Two started embedded engines on `pair` with `config`: {"fixed": N = 3 (strict ν: every
+    position drafted or drawn from ν), "adaptive": the default adaptive N under `drafting_costs`
+    (so it drafts; bonuses and N = 0 rounds from p, quality 0 draft-only)}; stopped on exit."""
+    import asyncio
+
+    from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+
+    engines = {
+        "fixed": EmbeddedEngine(EmbeddedEngineConfig(*pair, num_draft=3, **config)),
+        "adaptive": EmbeddedEngine(EmbeddedEngineConfig(*pair, num_draft=None, **config)),
+    }
+    for eng in engines.values():
+        eng.start_sync()
+    adaptive = engines["adaptive"]
+    adaptive.scheduler.models.planner.set_cost(
+        drafting_costs(adaptive.config.max_batch, adaptive.config.max_num_draft)
+    )
+    try:
+        yield engines
+    finally:
+        for eng in engines.values():
+            asyncio.run(eng.stop())

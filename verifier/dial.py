@@ -239,7 +239,12 @@ def resolve(
 ) -> DialPoint:
     """The request's dial fields -> DialPoint. `head_dial` is the loaded head's default dial
     (None = no head: quality "auto" is refused). Raises DialError naming the bad field."""
-    if mode == AUTOREGRESSIVE:
+    if mode == AUTOREGRESSIVE:  # the quality is ignored, but must still be one the API allows
+        known = quality in config.tiers or (quality == AUTO and head_dial is not None)
+        if isinstance(quality, str) and not known:
+            _unknown_tier(quality, config, "quality")
+        if quality is not None and not isinstance(quality, str):
+            check_unit(quality)
         return DialPoint(AUTOREGRESSIVE, None, Verification(mode=AUTOREGRESSIVE))
     param = "quality"
     if quality is None:
@@ -258,16 +263,19 @@ def resolve(
             v = Verification(dial=dial, weight=dial**config.gamma)  # weight: a fallback, reported
             return DialPoint(AUTO, dial, replace(v, num_draft=num_draft).validate())
         if quality not in config.tiers:
-            tiers = ", ".join(sorted(config.tiers))
-            raise DialError(
-                f"unknown quality tier {quality!r}; use a number in [0, 1], 'auto', or one of: {tiers}",
-                param=param,
-            )
+            _unknown_tier(quality, config, param)
         label, q = quality, config.tiers[quality]
     else:
         label, q = CUSTOM, check_unit(quality)
     v = replace(verification_for(policy, q, config), num_draft=num_draft)
     return DialPoint(label, q, v.validate())
+
+
+def _unknown_tier(quality: str, config: DialConfig, param: str):
+    tiers = ", ".join(sorted(config.tiers))
+    raise DialError(
+        f"unknown quality tier {quality!r}; use a number in [0, 1], 'auto', or one of: {tiers}", param
+    )
 
 
 # -- model names -----------------------------------------------------------------------------------

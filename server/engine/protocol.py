@@ -51,6 +51,10 @@ MIN_TEMPERATURE = 1e-5
 # in float32 (5e-324 is 0 there, which the sampling transform refuses).
 MIN_TOP_P = 1e-7
 MAX_TOP_K = 2**31 - 1  # any top_k >= V keeps every token; bigger values overflow int32 kernels
+# Log-probs (`GenerationRequest.logprobs`): at most this many alternatives per token (OpenAI's
+# limit), and the value reported for a token the law gives no mass (JSON has no -inf; OpenAI's).
+MAX_TOP_LOGPROBS = 20
+LOGPROB_FLOOR = -9999.0
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -62,9 +66,8 @@ class SamplingOptions:
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    # Same seed + same request -> same output, batched or alone, when N is fixed (a per-request
-    # num_draft, or an engine with a fixed N). With the adaptive draft length the output law is
-    # unchanged, but which coin lands where follows the rounds the planner chose (load, timing).
+    # Same seed + same request -> same output on one embedded engine, batched or alone, under any
+    # load: a seeded (or greedy) row's adaptive N follows its own history alone (README, "Seeds").
     seed: int | None = None
     ignore_eos: bool = False  # keep going past EOS (benchmarks); explicit stop_token_ids still stop
 
@@ -110,6 +113,28 @@ def check_sampling(s: SamplingOptions, vocab_size: int | None = None) -> Samplin
     )
 
 
+def logprobs_refusal(count, verify: Verification) -> str | None:
+    """Why log-probs with `count` alternatives cannot be served for `verify`, or None. The law is
+    reported for the ensemble (ν) and the target alone; a baseline policy's tokens follow neither."""
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_TOP_LOGPROBS:
+        return f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives), got {count!r}"
+    if verify.policy != PolicyKind.ENSEMBLE and verify.mode != "autoregressive":
+        return (
+            f"logprobs are reported for the ensemble verifier only: the {verify.policy.name.lower()} "
+            "baseline's tokens follow no law the server reports"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """A constraint on the output (OpenAI's `response_format`): `json_object` (any JSON object) or
+    `json_schema` (`schema`, the JSON Schema as compact JSON text: hashable, the compile cache's key)."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str | None = None
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
@@ -119,6 +144,13 @@ class GenerationRequest:
     # Report each token's provenance (`GenerationChunk.provenance`). Only engines whose
     # `info.token_provenance` is True honour it; the gateway refuses it (400) for the others.
     trace: bool = False
+    # Report each token's log-probability under the law it was drawn from, with the `logprobs`
+    # most likely tokens of that law (0..MAX_TOP_LOGPROBS; None = no log-probs): ν at its position
+    # (p where the token was drawn from the target's p, q in draft-only rounds). Only engines whose
+    # `info.token_logprobs` is True honour it; the gateway refuses it (400) for the others.
+    logprobs: int | None = None
+    # Constrain the output (`info.structured_output` engines; the gateway refuses it elsewhere).
+    response_format: ResponseFormat | None = None
 
 
 @dataclass
@@ -172,6 +204,19 @@ class TokenTrace:
     num_draft: int  # N of its round (0 = autoregressive)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the law it was drawn from (requests with `logprobs`):
+    its text (UTF-8, invalid bytes replaced), its own bytes (tokens may split a character), the
+    log-probability (LOGPROB_FLOOR where the law gives it no mass) and, for emitted tokens, the
+    law's most likely tokens (ties in no set order)."""
+
+    token: str
+    token_bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[TokenLogprob, ...] = ()
+
+
 @dataclass
 class GenerationChunk:
     """Incremental output. Text deltas never split a multi-byte character."""
@@ -183,6 +228,7 @@ class GenerationChunk:
     finish_reason: FinishReason | None = None  # set on the last chunk only
     stats: SpecStats | None = None  # cumulative; always set on the last chunk
     provenance: list[TokenTrace] | None = None  # one per token_ids entry, only for `trace` requests
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, only for `logprobs` requests
 
 
 @dataclass(frozen=True)
@@ -207,6 +253,8 @@ class EngineInfo:
     max_token_bytes: int | None = None
 
     token_provenance: bool = False  # honours `GenerationRequest.trace` (per-token provenance)
+    token_logprobs: bool = False  # honours `GenerationRequest.logprobs` (log-probs of the law drawn from)
+    structured_output: bool = False  # honours `GenerationRequest.response_format` at every quality
     # What this backend can do (a request asking for more is refused, never silently served as less):
     policies: tuple[PolicyKind, ...] = tuple(PolicyKind)  # rules Verification.policy may name
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from server.engine.protocol import Engine, GenerationChunk, GenerationRequest, SpecStats
+from server.engine.protocol import Engine, GenerationChunk, GenerationRequest, SpecStats, TokenLogprob
 from server.gateway.metrics import GatewayMetrics
 from verifier.dial import DialPoint, PolicyKind
 
@@ -42,6 +42,32 @@ def trace_entries(chunk: GenerationChunk) -> list[dict] | None:
          "num_draft": t.num_draft}
         for tok, t in zip(chunk.token_ids, chunk.provenance, strict=True)
     ]  # fmt: skip
+
+
+def logprobs_object(kind: str, entries: list[TokenLogprob], offset: int = 0) -> dict:
+    """A choice's (or a streamed chunk's) `logprobs` in OpenAI's shape: chat
+    `{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}`; completions the legacy
+    `{tokens, token_logprobs, top_logprobs, text_offset}`, offsets counted in the tokens' own text
+    from `offset` (the characters of the choice's earlier tokens)."""
+    if kind == "chat":
+        return {"content": [_chat_entry(e, top=True) for e in entries], "refusal": None}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _chat_entry(e: TokenLogprob, top: bool) -> dict:
+    entry = {"token": e.token, "logprob": e.logprob, "bytes": list(e.token_bytes)}
+    if top:
+        entry["top_logprobs"] = [_chat_entry(t, top=False) for t in e.top]
+    return entry
 
 
 class MultiStream:
@@ -119,6 +145,8 @@ class Tracker:
     completion_tokens: list[int] = field(init=False)
     stats: list[SpecStats | None] = field(init=False)
     traces: list[list[dict] | None] = field(init=False)  # per choice, with dialspec_trace only
+    logprobs: list[list[TokenLogprob] | None] = field(init=False)  # per choice, with logprobs only
+    _logprob_chars: list[list[int]] = field(init=False)  # per choice: [text before the last chunk, after]
     _last: list[float | None] = field(init=False)
     failed: bool = False  # answered with an error before any output: not a finished sequence
     _first_at: float | None = None
@@ -131,6 +159,8 @@ class Tracker:
         self.completion_tokens = [0] * n
         self.stats = [None] * n
         self.traces = [None] * n
+        self.logprobs = [None] * n
+        self._logprob_chars = [[0, 0] for _ in range(n)]
         self._last = [None] * n
 
     def on_chunk(self, index: int, chunk: GenerationChunk) -> None:
@@ -150,11 +180,28 @@ class Tracker:
             if self.traces[index] is None:
                 self.traces[index] = []
             self.traces[index].extend(trace_entries(chunk))
+        if chunk.logprobs is not None:
+            if self.logprobs[index] is None:
+                self.logprobs[index] = []
+            self.logprobs[index].extend(chunk.logprobs)
+            chars = self._logprob_chars[index]
+            chars[0] = chars[1]
+            chars[1] += sum(len(e.token) for e in chunk.logprobs)
         self.completion_tokens[index] = chunk.completion_tokens
         if chunk.finish_reason is not None:
             self.finish[index] = chunk.finish_reason
             self.stats[index] = chunk.stats
             self.metrics.record_sequence(tier, chunk.stats, chunk.completion_tokens, chunk.finish_reason)
+
+    def chunk_logprobs(self, kind: str, index: int, chunk: GenerationChunk) -> dict | None:
+        """The `logprobs` of a chunk just passed to `on_chunk`; None when it carries none."""
+        if chunk.logprobs is None:
+            return None
+        return logprobs_object(kind, chunk.logprobs, self._logprob_chars[index][0])
+
+    def choice_logprobs(self, kind: str, index: int) -> dict | None:
+        entries = self.logprobs[index]
+        return None if entries is None else logprobs_object(kind, entries)
 
     def text(self, index: int) -> str:
         return "".join(self.texts[index])

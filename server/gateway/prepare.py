@@ -20,12 +20,21 @@ Terms:
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass, replace
 
-from server.engine.protocol import Engine, EngineInfo, GenerationRequest, SamplingOptions, check_sampling
+from server.engine.protocol import (
+    Engine,
+    EngineInfo,
+    GenerationRequest,
+    ResponseFormat,
+    SamplingOptions,
+    check_sampling,
+    logprobs_refusal,
+)
 from server.gateway.errors import APIError, bad_request
 from server.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from verifier.dial import (
@@ -59,6 +68,8 @@ class Plan:
     stream: bool
     include_usage: bool
     trace: bool  # dialspec_trace: per-token provenance on every choice
+    logprobs: int | None = None  # alternatives per token when log-probs are asked for
+    response_format: ResponseFormat | None = None  # the output's constraint (None: free text)
 
 
 @dataclass
@@ -193,6 +204,10 @@ def plan(
             "dialspec_trace",
             code="trace_unsupported",
         )
+    logprobs = body.logprobs_count()
+    if logprobs is not None:
+        _check_logprobs(logprobs, dial, info)
+    response_format = _response_format(body, info)
     rid = uuid.uuid4().hex
     return Plan(
         kind=kind,
@@ -209,7 +224,47 @@ def plan(
         stream=body.stream,
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
         trace=body.dialspec_trace,
+        logprobs=logprobs,
+        response_format=response_format,
     )
+
+
+def _response_format(body, info: EngineInfo) -> ResponseFormat | None:
+    """The body's output constraint for the engine (None for free text); 400 where the backend
+    cannot honour it (never served unconstrained)."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if not info.structured_output:
+        why = (
+            "the grammar engine is not installed (pip install 'dialspec[structured]')"
+            if info.backend == "embedded"
+            else "its verifier does not mask the draft's q yet"
+        )
+        raise bad_request(
+            f"response_format is not supported by this {info.backend} backend: {why}; remove "
+            "response_format from the request",
+            "response_format",
+            code="response_format_unsupported",
+        )
+    if fmt.type == "json_object":
+        return ResponseFormat("json_object")
+    schema = json.dumps(fmt.json_schema.schema_, sort_keys=True, separators=(",", ":"))
+    return ResponseFormat("json_schema", schema)
+
+
+def _check_logprobs(count: int, dial: DialPoint, info: EngineInfo) -> None:
+    """Log-probs only where the backend reports the law each token was drawn from (never made up)."""
+    if not info.token_logprobs:
+        raise bad_request(
+            f"logprobs are not supported: the {info.backend} backend does not report the law each token "
+            "was drawn from; remove logprobs from the request",
+            "logprobs",
+            code="logprobs_unsupported",
+        )
+    why = logprobs_refusal(count, dial.verification)
+    if why:
+        raise bad_request(why, "logprobs")
 
 
 def tokenize(kind: str, body, engine: Engine) -> list[list[int]]:
@@ -248,6 +303,8 @@ def build(p: Plan, prompts: list[list[int]], info: EngineInfo, settings) -> Prep
                     sampling=replace(p.sampling, max_tokens=max_tokens, seed=seed),
                     verify=p.dial.verification,
                     trace=p.trace,
+                    logprobs=p.logprobs,
+                    response_format=p.response_format,
                 )
             )
     return Prepared(

@@ -79,11 +79,45 @@ class TraceToken(BaseModel):
     num_draft: int = Field(description="draft length N of its round (0 = autoregressive)")
 
 
+_LOGPROB_DOC = (
+    "log-probability of the token under the law it was drawn from (ν at its position; p where the "
+    "target alone drew it; q in draft-only rounds), after the sampling transform; -9999.0 where that "
+    "law gives it no mass"
+)
+
+
+class TopLogprob(BaseModel):
+    token: str = Field(description="the token's text (U+FFFD where it ends inside a character)")
+    logprob: float = Field(description=_LOGPROB_DOC)
+    bytes: list[int] | None = Field(description="the token's own UTF-8 bytes")
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="the law's most likely tokens (top_logprobs of them)")
+
+
+class ChatLogprobs(BaseModel):
+    """`logprobs` of a chat choice or chunk (requests with `logprobs: true`)."""
+
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """`logprobs` of a text-completion choice or chunk, in the legacy shape (requests with
+    `logprobs: k`)."""
+
+    tokens: list[str]
+    token_logprobs: list[float] = Field(description=_LOGPROB_DOC)
+    top_logprobs: list[dict[str, float]] = Field(description="per token, the law's k most likely tokens")
+    text_offset: list[int] = Field(description="each token's offset, counted in the tokens' own text")
+
+
 class ChatChoice(BaseModel):
     index: int
     message: dict[str, Any]
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = Field(None, description="with `logprobs: true`")
     dialspec_trace: list[TraceToken] | None = Field(None, description="with `dialspec_trace: true`")
 
 
@@ -101,7 +135,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = Field(None, description="with `logprobs: k`")
     dialspec_trace: list[TraceToken] | None = Field(None, description="with `dialspec_trace: true`")
 
 
@@ -124,7 +158,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChunkDelta
     finish_reason: str | None = Field(description="set on a choice's last chunk: stop, length or abort")
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = Field(None, description="with `logprobs: true`")
     dialspec_trace: list[TraceToken] | None = Field(None, description="with `dialspec_trace: true`")
 
 
@@ -132,7 +166,7 @@ class CompletionChunkChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = Field(None, description="with `logprobs: k`")
     dialspec_trace: list[TraceToken] | None = Field(None, description="with `dialspec_trace: true`")
 
 

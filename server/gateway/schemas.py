@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, plus the dialspec extensions (responses: responses.py).
 
 Unknown fields are ignored (clients send `store`, `metadata`, ...), except those in `UNSUPPORTED`:
-fields whose *absence* would change what the client gets back (tools, logprobs, response_format,
+fields whose *absence* would change what the client gets back (tools, logit_bias, penalties,
 ...) are rejected with a 400 naming the field instead of being silently dropped. Every string of a
 body, at any depth, must be Unicode text: a lone surrogate (JSON `\\ud800`) is a 400
 `invalid_unicode` naming its field (`_Common._valid_unicode`).
@@ -34,7 +34,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from server.engine.protocol import MAX_TOP_K, MIN_TOP_P
+from server.engine.protocol import MAX_TOP_K, MAX_TOP_LOGPROBS, MIN_TOP_P
 from verifier.dial import AUTO, POLICY_NAMES
 
 # field -> value(s) that are the same as not sending it (accepted and ignored)
@@ -44,10 +44,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, False),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "audio": (None,),
@@ -103,6 +100,8 @@ def _json_equal(a, b) -> bool:
 def _add_rules(schema: dict, *rules: dict) -> None:
     """The schema's extras: cross-field rules, and the unsupported fields with their neutral values."""
     schema.setdefault("allOf", []).extend(rules)
+    if "logprobs" in schema["properties"]:  # chat and completions (their own rules, one place)
+        schema["allOf"].extend(logprobs_rules(chat="top_logprobs" in schema["properties"]))
     for name, neutral in UNSUPPORTED.items():
         values = [v for i, v in enumerate(neutral) if not any(_json_equal(v, w) for w in neutral[:i])]
         schema["properties"][name] = {
@@ -178,6 +177,58 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 JSON_SAFE_INT = 2**53 - 1
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(
+        default_factory=dict, alias="schema", description="a JSON Schema (draft 2020-12 or older)"
+    )
+    strict: StrictBool | None = Field(
+        None, description="accepted for compatibility: the output always follows the schema"
+    )
+
+    @field_validator("schema_")
+    @classmethod
+    def _valid_schema(cls, value):
+        from jsonschema.exceptions import SchemaError
+        from jsonschema.validators import validator_for
+
+        try:
+            validator_for(value).check_schema(value)
+        except SchemaError as exc:
+            raise ValueError(f"not a valid JSON Schema: {exc.message}") from None
+        return value
+
+
+_FORMAT_RULE = {  # what `ResponseFormat._schema_with_its_type` checks
+    "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+    "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}},
+    "else": {"properties": {"json_schema": {"type": "null"}}},
+}
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_FORMAT_RULE]})
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema (only)")
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
+
+
+RESPONSE_FORMAT_DOC = (
+    "constrain the output: json_object (a JSON object) or json_schema (following the schema), at every "
+    "quality: both models are masked to what the grammar allows before ν is formed, so quality 1 samples "
+    "the constrained target exactly and quality 0 the constrained draft. JSON is compact (no free "
+    "whitespace) and ends with the model's end-of-sequence token. Backends that cannot honour it at the "
+    "requested quality answer 400."
+)
+
+
 class _Common(BaseModel):
     """Fields shared by chat and text completions. Numbers are strict (JSON true is not 1 and
     "2" is not 2); `request_models` narrows the limits that depend on the engine and settings."""
@@ -202,7 +253,11 @@ class _Common(BaseModel):
     )
     n: json_int(ge=1) = 1
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=4)] | None = None
-    seed: json_int(-JSON_SAFE_INT, JSON_SAFE_INT) | None = None
+    seed: json_int(-JSON_SAFE_INT, JSON_SAFE_INT) | None = Field(
+        None,
+        description="the same request with the same seed gives the same output on one running embedded "
+        "server, whatever its load and batching (choice j uses seed + j; README, 'Seeds')",
+    )
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
@@ -231,6 +286,7 @@ class _Common(BaseModel):
     )
     # The range is the engine's (EngineInfo.num_draft_limit), checked by verifier.dial.
     num_draft: json_int() | None = Field(None, description="dialspec: draft length N for this request")
+    response_format: ResponseFormat | None = Field(None, description=RESPONSE_FORMAT_DOC)
     dialspec_trace: StrictBool = Field(
         False,
         description="dialspec: report each token's provenance (draft / corrected / bonus / target) and "
@@ -268,6 +324,41 @@ class _Common(BaseModel):
         return self
 
 
+def logprobs_rules(chat: bool) -> list[dict]:
+    """What `ChatCompletionRequest._top_logprobs` and `protocol.logprobs_refusal` check: chat's
+    top_logprobs >= 1 needs logprobs true; log-probs with a baseline verifier need the target
+    alone (mode autoregressive: p has a law, a baseline's tokens follow none that is reported)."""
+    on = {"const": True} if chat else {"type": "integer"}
+    baseline = {"enum": [p for p in POLICY_NAMES if p != "ensemble"]}
+    rules = [
+        {
+            "if": {
+                "properties": {"verifier": baseline, "logprobs": on},
+                "required": ["verifier", "logprobs"],
+            },
+            "then": {"properties": {"mode": {"const": "autoregressive"}}, "required": ["mode"]},
+        }
+    ]
+    if chat:
+        top = {"top_logprobs": {"type": "integer", "minimum": 1}}
+        rules.append(
+            {
+                "if": {"properties": top, "required": ["top_logprobs"]},
+                "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+            }
+        )
+    return rules
+
+
+LOGPROBS_DOC = (
+    "log-probabilities of the law each token was drawn from: ν = w·p + (1−w)·q at its position "
+    "(so the target's p at quality 1, the draft's q at quality 0), or p where the token came from the "
+    "target alone (rounds without drafts; autoregressive mode). After temperature, top-k and top-p "
+    "(tokens they exclude read -9999.0); at temperature 0, the law whose most likely token was taken. "
+    "Not for baseline verifiers; backends that cannot report it (SGLang) answer 400."
+)
+
+
 class ContentPart(BaseModel):
     type: Literal["text"]
     text: str
@@ -289,6 +380,21 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: json_int(ge=1) | None = None
+    logprobs: StrictBool | None = Field(None, description=f"dialspec: {LOGPROBS_DOC}")
+    top_logprobs: json_int(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
+        None, description="the most likely tokens of that law per position (needs logprobs: true)"
+    )
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value, info):
+        if value and not info.data.get("logprobs"):  # logprobs is validated first (declared first)
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    def logprobs_count(self) -> int | None:
+        """Alternatives per token when log-probs are asked for, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def prompt_count(self) -> int:
         return 1
@@ -305,6 +411,13 @@ class CompletionRequest(_Common):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
+
+    logprobs: json_int(ge=0, le=MAX_TOP_LOGPROBS) | None = Field(
+        None, description=f"dialspec: this many most likely tokens per position, with the {LOGPROBS_DOC}"
+    )
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str):

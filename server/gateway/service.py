@@ -308,6 +308,7 @@ class Gateway:
         for choice, trace in zip(choices, tracker.traces, strict=True):
             if trace is not None:
                 choice["dialspec_trace"] = trace
+            choice["logprobs"] = tracker.choice_logprobs(prep.kind, choice["index"])
         return {
             "id": prep.request_id,
             "object": obj,

@@ -47,7 +47,13 @@ class ChunkFormatter:
         self.include_usage = include_usage
 
     def choice(
-        self, index: int, text: str | None, finish: str | None, role: bool = False, trace: list | None = None
+        self,
+        index: int,
+        text: str | None,
+        finish: str | None,
+        role: bool = False,
+        trace: list | None = None,
+        logprobs: dict | None = None,
     ) -> dict:
         if self.kind == "chat":
             delta: dict = {}
@@ -55,9 +61,9 @@ class ChunkFormatter:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            body: dict = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            body: dict = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            body = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            body = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         if trace is not None:
             body["dialspec_trace"] = trace
         payload = {**self.base, "choices": [body]}
@@ -82,13 +88,15 @@ async def sse_events(
             index, chunk = event
             tracker.on_chunk(index, chunk)
             trace = trace_entries(chunk)
+            lps = tracker.chunk_logprobs(fmt.kind, index, chunk)
             if fmt.kind == "chat" and not started[index]:
                 started[index] = True
-                payload = fmt.choice(index, chunk.text, None, role=True, trace=trace)
+                payload = fmt.choice(index, chunk.text, None, role=True, trace=trace, logprobs=lps)
                 yield {"data": _dump({**payload, **announce})}
                 announce = {}
-            elif chunk.text or trace:
-                yield {"data": _dump({**fmt.choice(index, chunk.text, None, trace=trace), **announce})}
+            elif chunk.text or trace or lps:
+                payload = fmt.choice(index, chunk.text, None, trace=trace, logprobs=lps)
+                yield {"data": _dump({**payload, **announce})}
                 announce = {}
             if chunk.finish_reason is not None:
                 payload = fmt.choice(index, None if fmt.kind == "chat" else "", chunk.finish_reason)

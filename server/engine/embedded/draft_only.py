@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from server.engine.embedded import logprobs
 from server.engine.embedded.models import Models
 from server.engine.embedded.round import RoundBatch, draft
 from server.engine.embedded.row import Row
@@ -41,12 +42,16 @@ def run_draft_only_round(models: Models, rows: list[Row], n: int, timers: StepTi
     with timers.phase("round", dev):
         batch = RoundBatch.of(rows, n, dev)
         with timers.phase("draft", dev, count=n):
-            drafts = draft(models, batch)
+            drafts = draft(models, batch, last_mask=False)
         tokens = drafts.tokens.tolist()  # [R][n], one device read
-        for row, toks in zip(rows, tokens, strict=True):
+        laws = logprobs.draft_only_laws(batch, drafts)
+        lps = logprobs.gather(rows, laws, {i: tokens[i] for i in laws})
+        for i, (row, toks) in enumerate(zip(rows, tokens, strict=True)):
             row.dlen = len(row.seq) + n - 1
             row.record_draft_only(n)
-            row.emit_tokens(toks)
+            if row.grammar is not None:  # every draft is kept: its matcher took them all
+                row.grammar.settle(n, None)
+            row.emit_tokens(toks, lps.get(i))
     timers.draft_tokens += n * len(rows)
     timers.row_rounds += len(rows)
     if models.planner is not None:

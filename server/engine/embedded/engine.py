@@ -21,13 +21,16 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from server.engine.embedded.detokenize import TokenBytes
 from server.engine.embedded.dtype_choice import DTYPES, choose_dtype
+from server.engine.embedded.grammar import GrammarCache, GrammarError
 from server.engine.embedded.models import Models, WeightHead
 from server.engine.embedded.row import Row, RowMode
 from server.engine.embedded.scheduler import Scheduler
@@ -38,6 +41,7 @@ from server.engine.protocol import (
     GenerationRequest,
     SamplingOptions,
     check_sampling,
+    logprobs_refusal,
 )
 from verifier.dial import DEFAULT_AUTO_DIAL, DialError
 
@@ -87,7 +91,7 @@ class EmbeddedEngineConfig:
     first_token_from_prefill: bool = True
     profile_budget_s: float = 3.0  # the start-up cost profile's time budget (planner/cost_profile.py)
     # Benchmarks only: accept each draft with probability 1 − w·forced_tv instead of the verifier's
-    # verdict (every forward, check and bonus step still runs; `round.force_acceptance`), so random-
+    # verdict (every forward, check and bonus step still runs; `forced.force_acceptance`), so random-
     # weight pairs of real shapes run at a real pair's acceptance. Output follows no law. None: off.
     forced_tv: float | None = None
     cache_dir: str | Path | None = None  # cost models and dtype choices; None = not cached
@@ -98,6 +102,9 @@ class EmbeddedEngineConfig:
     # host (measured: 2.6 ms vs 0.1 ms per 256x512 linear with 2 threads on a loaded 2-core box);
     # torch's default otherwise.
     num_threads: int | None = None
+    # `response_format`: a schema that has not compiled after this many seconds is refused (its
+    # compilation runs off the event loop; xgrammar cannot be interrupted, so it finishes unseen).
+    grammar_timeout_s: float = 10.0
 
     def resolve(self) -> EmbeddedEngineConfig:
         if self.target_path is None or self.draft_path is None:
@@ -169,7 +176,12 @@ class EmbeddedEngine:
             vocab_size=self.vocab_size,
             max_token_bytes=max_token_bytes(self.tokenizer),
             token_provenance=True,  # rows report each token's source and w (row.py, `_provenance`)
+            token_logprobs=True,  # rows report the log-probs of each token's law (logprobs.py)
+            structured_output=_has_xgrammar(),  # response_format (grammar.py), with the extra installed
         )
+        self._grammar_cache = None  # built on the first constrained request
+        self._grammar_lock = threading.Lock()
+        self.token_bytes = TokenBytes(self.tokenizer)  # shared by the rows that report log-probs
         self.scheduler: Scheduler | None = None
         self._stopping = False
 
@@ -356,6 +368,10 @@ class EmbeddedEngine:
             )
         elif v.learned and c.head is None:
             bad = "learned weights requested but this engine has no weight head loaded"
+        elif request.logprobs is not None:
+            bad = self._logprobs_refusal(request)
+        if not bad and request.response_format is not None and not self.info.structured_output:
+            bad = "response_format needs xgrammar: install dialspec[structured]"
         else:
             try:
                 v.validate(c.max_num_draft)
@@ -372,11 +388,49 @@ class EmbeddedEngine:
             mode = RowMode.of(
                 v, fixed, strict_nu=not c.p_when_undrafted,
                 allow_draft_only=planner is not None and planner.force is None,
-                head_exact_at_top=pinned_top,
+                head_exact_at_top=pinned_top, reproducible=s.seed is not None or s.temperature <= 0,
             )  # fmt: skip
-            return Row(request, sink, fixed or 0, self.tokenizer, self.eos_ids, mode)
+            fmt = request.response_format
+            row_grammar = None if fmt is None else self.grammars().row(fmt)
+            return Row(
+                request, sink, fixed or 0, self.tokenizer, self.eos_ids, mode, token_bytes=self.token_bytes,
+                grammar=row_grammar,
+            )  # fmt: skip
+        except GrammarError as exc:
+            raise EngineError(str(exc), "invalid_request") from None
         except ValueError as exc:  # e.g. Policy parameter ranges
             raise EngineError(str(exc), "invalid_request") from exc
+
+    def _logprobs_refusal(self, request: GenerationRequest) -> str | None:
+        """Why `request.logprobs` cannot be served, or None."""
+        if self.config.forced_tv is not None:
+            return "logprobs: this engine forces acceptance for timing (forced_tv); its tokens follow no law"
+        return logprobs_refusal(request.logprobs, request.verify)
+
+    def grammars(self) -> GrammarCache:
+        """The pair's grammar compiler (built on first use: it reads the whole vocabulary)."""
+        with self._grammar_lock:
+            if self._grammar_cache is None:
+                self._grammar_cache = GrammarCache(self.tokenizer, self.vocab_size, self.eos_ids)
+            if self.scheduler is not None:
+                self._grammar_cache.timers = self.scheduler.timers
+            return self._grammar_cache
+
+    async def _compile(self, request: GenerationRequest) -> None:
+        """Compile the request's schema off the event loop, within `grammar_timeout_s` (the row then
+        finds it in the compiler's cache)."""
+        if request.response_format is None or not self.info.structured_output:
+            return
+        fmt = request.response_format
+        work = asyncio.to_thread(lambda: self.grammars().compile(fmt))  # the first builds the cache too
+        try:
+            await asyncio.wait_for(work, self.config.grammar_timeout_s)
+        except TimeoutError:
+            limit = self.config.grammar_timeout_s
+            msg = f"response_format: the schema did not compile within {limit:g} s; simplify it"
+            raise EngineError(msg, "invalid_request") from None
+        except GrammarError as exc:
+            raise EngineError(str(exc), "invalid_request") from None
 
     def submit(self, request: GenerationRequest, sink) -> Row:
         """Thread-safe enqueue (used by `generate` and by the synchronous benchmark)."""
@@ -400,6 +454,7 @@ class EmbeddedEngine:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
+        await self._compile(request)
         row = self.submit(request, sink)
         finished = False
         try:
@@ -416,6 +471,12 @@ class EmbeddedEngine:
         finally:
             if not finished and self.scheduler is not None:
                 self.scheduler.cancel(row)
+
+
+def _has_xgrammar() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("xgrammar") is not None
 
 
 def _keeps_bytes(pre_tokenizer: dict) -> bool:

@@ -33,4 +33,4 @@ class Models:
     num_threads: int | None = None  # intra-op threads for the thread running the model math
     planner: DraftPlanner | None = None  # cost model + acceptance estimates; None: N stays as set
     first_token_from_prefill: bool = True  # `prefill.py`; see `EmbeddedEngineConfig`
-    forced_tv: float | None = None  # the bench's forced acceptance (`round.force_acceptance`)
+    forced_tv: float | None = None  # the bench's forced acceptance (`forced.force_acceptance`)

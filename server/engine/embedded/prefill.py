@@ -16,12 +16,13 @@ import torch
 from server.engine.embedded.models import Models
 from server.engine.embedded.round import (
     RoundBatch,
-    Scores,
     advance,
+    attach_logprobs,
     bonus,
     check,
     draft,
     ensemble_weights,
+    scores_of,
 )
 from server.engine.embedded.row import Row
 
@@ -96,10 +97,11 @@ def first_tokens(models: Models, rows: list[Row], hidden: torch.Tensor) -> None:
     so the token follows the same law: p, or ν for rows that draw it from ν)."""
     b = RoundBatch.of(rows, 0, models.device)
     h = hidden.unsqueeze(1)  # [R, 1, Ht]
-    scores = Scores(b.probs(models.target.logits(h)), h)  # p [R, 1, V]
-    drafts = draft(models, b)  # N = 0: no drafts
+    drafts = draft(models, b)  # N = 0: no drafts (a constrained row's mask for its first token)
+    scores = scores_of(models, b, drafts, h)  # p [R, 1, V]
     weights, per_position = ensemble_weights(models, b, drafts, scores)
     out = check(b, drafts, scores, weights)
     if any(row.mode.draws_nu for row in rows):
         bonus(models, b, drafts, scores, out)
+    attach_logprobs(b, drafts, scores, out, per_position)
     advance(b, out, per_position)

@@ -34,10 +34,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from server.engine.embedded import forced, grammar, logprobs
 from server.engine.embedded.models import Models
 from server.engine.embedded.row import Row
 from server.engine.embedded.timers import StepTimers
-from verifier import PolicyBatch, PolicyKind, logits_to_probs, pick_tokens, tv_estimates, verify
+from verifier import PolicyBatch, PolicyKind, ensemble_mix, logits_to_probs, pick_tokens, tv_estimates, verify
 from verifier.head import position_stats, wants_states, wants_stats
 
 
@@ -119,6 +120,8 @@ class Drafts:
     tokens: torch.Tensor  # [R, N] x_i ~ q_i
     probs: torch.Tensor  # [R, N, V] q
     hidden: torch.Tensor | None  # [R, N, Hd] states that produced each draft (N >= 1)
+    constrained: list[int] = field(default_factory=list)  # rows with a grammar (`grammar.py`)
+    masks: list[torch.Tensor] = field(default_factory=list)  # per position t: [R', V] allowed
 
 
 @dataclass
@@ -139,6 +142,8 @@ class Outcome:
     tv: list[list[float]]  # empty for greedy rows (their drafts are argmaxes, not draws from q)
     bonus_rows: list[int]  # rows that took a bonus draft step (see `bonus`)
     bonus_weights: list[float] = field(default_factory=list)  # their w at the bonus position
+    bonus_laws: dict[int, torch.Tensor] = field(default_factory=dict)  # ν [V] they drew from, if asked
+    logprobs: dict[int, list] = field(default_factory=dict)  # per row that asked (`logprobs.py`)
 
 
 def _feed_pending(models: Models, b: RoundBatch) -> torch.Tensor:
@@ -180,24 +185,37 @@ def _catch_up_groups(b: RoundBatch, pending: list, lagging: list[int], max_seq: 
     return [together] + [[i] for i in lagging if i not in together]
 
 
-def draft(models: Models, b: RoundBatch) -> Drafts:
-    """N batched draft forwards: the pending tokens first, then one proposal at a time."""
+def draft(models: Models, b: RoundBatch, last_mask: bool = True) -> Drafts:
+    """N batched draft forwards: the pending tokens first, then one proposal at a time. Rows with
+    a grammar draw each proposal from the masked q and their matcher takes it; their masks per
+    position (and after the last proposal, for p_N and the bonus, unless not `last_mask`) are kept."""
     r, n = b.size, b.n
+    g = grammar.constrained(b.rows)
     if n == 0:
         empty = torch.zeros(r, 0, dtype=torch.long, device=b.device)  # [R, 0]
-        return Drafts(empty, torch.zeros(r, 0, models.draft.args.vocab_size, device=b.device), None)
+        q = torch.zeros(r, 0, models.draft.args.vocab_size, device=b.device)
+        return Drafts(empty, q, None, g, [grammar.allowed_now(b.rows, g)] if g else [])
     h = _feed_pending(models, b)  # [R, Hd]
     base = b.column([len(row.seq) for row in b.rows])  # [R] position of draft token 1
-    xs, qs, hs = [], [], []
+    xs, qs, hs, masks = [], [], [], []
     for i in range(n):
-        q = b.probs(models.draft.logits(h))  # [R, V]
+        logits = models.draft.logits(h)  # [R, V]
+        if g:
+            masks.append(grammar.allowed_now(b.rows, g))
+            logits = grammar.mask_logits(logits, g, masks[-1])
+        q = b.probs(logits)  # [R, V]
         x = pick_tokens(q, b.greedy, b.u_draft[:, i])  # [R]
+        if g:
+            for j, token in zip(g, x[g].tolist(), strict=True):
+                b.rows[j].grammar.accept(token)
         xs.append(x)
         qs.append(q)
         hs.append(h)
         if i < n - 1:  # the last proposal is fed only by `bonus`, for rows that need q after it
             h = models.draft(x.view(-1, 1), b.slots, base + i, models.draft_cache, b.contiguous)[:, 0]
-    return Drafts(torch.stack(xs, 1), torch.stack(qs, 1), torch.stack(hs, 1))
+    if g and last_mask:
+        masks.append(grammar.allowed_now(b.rows, g))
+    return Drafts(torch.stack(xs, 1), torch.stack(qs, 1), torch.stack(hs, 1), g, masks)
 
 
 def score(models: Models, b: RoundBatch, d: Drafts) -> Scores:
@@ -206,7 +224,15 @@ def score(models: Models, b: RoundBatch, d: Drafts) -> Scores:
     starts = b.column([row.tlen for row in b.rows])  # [R]
     inputs = torch.cat([last, d.tokens], dim=1)  # [R, N+1]
     hidden = models.target(inputs, b.slots, starts, models.target_cache, b.contiguous)  # [R, N+1, Ht]
-    return Scores(b.probs(models.target.logits(hidden)), hidden)
+    return scores_of(models, b, d, hidden)
+
+
+def scores_of(models: Models, b: RoundBatch, d: Drafts, hidden: torch.Tensor) -> Scores:
+    """p `[R, N+1, V]` from the target's states, each constrained row's positions masked."""
+    logits = models.target.logits(hidden)  # [R, N+1, V]
+    if d.constrained:
+        logits = grammar.mask_logits(logits, d.constrained, torch.stack(d.masks, 1))  # masks [R', N+1, V]
+    return Scores(b.probs(logits), hidden)
 
 
 def _learned_weights(models: Models, b: RoundBatch, h_draft, h_target, p, q, static) -> torch.Tensor:
@@ -276,36 +302,6 @@ def check(b: RoundBatch, d: Drafts, s: Scores, weights) -> Outcome:
     return out
 
 
-def force_acceptance(b: RoundBatch, d: Drafts, s: Scores, out: Outcome, weights: list, tv: float) -> None:
-    """The bench's forced acceptance (`EmbeddedEngineConfig.forced_tv`): the round's verdict,
-    computed for real, is replaced by accepting draft i with probability 1 − w_i·TV (w = 1 for
-    baseline policies) on the row's own verify coins; the token after the last accepted draft is
-    drawn from p there. Random-weight pairs accept almost nothing, so the planner decodes plainly
-    and the tiers' order at a real pair's acceptance (TV 0.1-0.3 for same-family pairs) stays
-    hidden; with this every forward, the check and the bonus step still run at real size. The
-    tokens follow neither p nor ν: for timing only, never for serving."""
-    n = b.n
-    if not n:
-        return
-    coins = b.u_verify[:, :n].tolist()  # [R][N]
-    drafted = d.tokens.tolist()  # [R][N]
-    ks, accept = [], []
-    for row, u, w in zip(b.rows, coins, weights, strict=True):
-        ensemble = row.policy.kind == PolicyKind.ENSEMBLE
-        probs = [1.0 - (w[i] if ensemble else 1.0) * tv for i in range(n)]
-        ks.append(next((i for i in range(n) if u[i] >= probs[i]), n))
-        accept.append(probs)
-    at = b.column(ks)  # [R]
-    p = s.probs[torch.arange(b.size, device=b.device), at]  # [R, V] p after the accepted drafts
-    last = pick_tokens(p, b.greedy, b.u_verify[:, n]).tolist()  # [R]
-    for i, (row, k) in enumerate(zip(b.rows, ks, strict=True)):
-        tested = min(k + 1, n)
-        out.num_accepted[i] = k
-        out.tokens[i] = drafted[i][:k] + [last[i]] + [-1] * (n - k)
-        out.accept_probs[i] = accept[i][:tested]
-        out.tv[i] = [] if row.greedy else [tv] * tested
-
-
 def bonus(models: Models, b: RoundBatch, d: Drafts, s: Scores, out: Outcome) -> None:
     """Rows that draw from ν where no draft proposed (`RowMode.draws_nu`) and accepted all N drafts
     (every such row at N = 0) redraw their last token from ν at position N+1 with the same coin:
@@ -324,7 +320,11 @@ def bonus(models: Models, b: RoundBatch, d: Drafts, s: Scores, out: Outcome) -> 
         x_last = d.tokens[at, n - 1 :]  # [R', 1]
         starts = sub.column([len(row.seq) + n - 1 for row in sub.rows])  # [R']
         h = models.draft(x_last, sub.slots, starts, models.draft_cache, sub.contiguous)[:, 0]  # [R', Hd]
-    q = sub.probs(models.draft.logits(h))  # [R', V]
+    logits = models.draft.logits(h)  # [R', V]
+    held = [(j, d.constrained.index(i)) for j, i in enumerate(idx) if i in d.constrained]
+    if held:  # q after the last draft, masked as p_N is
+        logits = grammar.mask_logits(logits, [j for j, _ in held], d.masks[n][[c for _, c in held]])
+    q = sub.probs(logits)  # [R', V]
     rows = sub.column(idx)
     p = s.probs[rows, n : n + 1]  # [R', 1, V]
     static = sub.column([row.weight for row in sub.rows], torch.float32).view(-1, 1)  # [R', 1]
@@ -337,6 +337,16 @@ def bonus(models: Models, b: RoundBatch, d: Drafts, s: Scores, out: Outcome) -> 
     for i, token in zip(idx, result.tokens[:, 0].tolist(), strict=True):
         out.tokens[i][n] = token
     out.bonus_weights = w[:, 0].tolist()
+    for j in logprobs.wanting(sub.rows):  # the ν each drew from, for its log-probs
+        out.bonus_laws[idx[j]] = ensemble_mix(p[j, 0], q[j], w[j, 0])
+
+
+def attach_logprobs(b: RoundBatch, d: Drafts, s: Scores, out: Outcome, weights: list) -> None:
+    """The log-probs of each emitted token's law, for the rows that asked (`logprobs.py`)."""
+    if logprobs.wanting(b.rows):
+        laws = logprobs.speculative_laws(b, d, s, out, weights)
+        tokens = {i: out.tokens[i][: out.num_accepted[i] + 1] for i in laws}
+        out.logprobs = logprobs.gather(b.rows, laws, tokens)
 
 
 def advance(b: RoundBatch, out: Outcome, weights: list) -> None:
@@ -347,12 +357,17 @@ def advance(b: RoundBatch, out: Outcome, weights: list) -> None:
     for i, (row, k, toks, w) in enumerate(zip(b.rows, out.num_accepted, out.tokens, weights, strict=True)):
         old_len = len(row.seq)
         row.record_round(k, [*w, fed[i]] if i in fed else w, b.n, bonus_from_nu=i in fed)
+        # The row's own acceptance evidence, here rather than in the planner's `learn` (after the
+        # round): a row that advanced has learned from its round even if a later row raises.
+        row.estimate.observe(out.accept_probs[i])
         row.tlen = old_len + k
+        if row.grammar is not None:  # its matcher keeps the k accepted drafts and the final token
+            row.grammar.settle(k, toks[k])
         if i in fed:
             row.dlen = old_len + b.n
         elif b.n:
             row.dlen = old_len + min(k, b.n - 1)
-        row.emit_tokens(toks[: k + 1])
+        row.emit_tokens(toks[: k + 1], out.logprobs.get(i))
 
 
 @torch.inference_mode()
@@ -371,11 +386,12 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> fl
             weights, per_position = ensemble_weights(models, batch, drafts, scores)
             out = check(batch, drafts, scores, weights)
             if models.forced_tv is not None:
-                force_acceptance(batch, drafts, scores, out, per_position, models.forced_tv)
+                forced.force_acceptance(batch, drafts, scores, out, per_position, models.forced_tv)
         if any(row.mode.draws_nu for row in rows):
             with timers.phase("bonus", dev, count=0):
                 bonus(models, batch, drafts, scores, out)
             timers.bonus_steps += bool(out.bonus_rows)
+        attach_logprobs(batch, drafts, scores, out, per_position)
         advance(batch, out, per_position)
     timers.draft_tokens += n * len(rows)
     timers.row_rounds += len(rows)

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.engine.embedded.detokenize import IncrementalDetokenizer, StopStringFilter
+from server.engine.embedded.detokenize import IncrementalDetokenizer, StopStringFilter, TokenBytes
+from server.engine.embedded.grammar import RowGrammar
 from server.engine.embedded.planner.draft_length import AcceptanceEstimate
-from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats, TokenTrace
+from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats, TokenLogprob, TokenTrace
 from verifier import Policy, PolicyKind
 from verifier.dial import Verification
 
@@ -52,6 +53,11 @@ class RowMode:
                  the speculative path.
     eager_draft  the prefill feeds the prompt to the draft (it will surely run); other rows feed
                  it when they first draft.
+    reproducible an adaptive row whose output must not depend on the load: a seed was given, or
+                 greedy (whose bonus, from p or ν, also depends on N). The planner chooses its N
+                 from its own history and the start-up cost profile alone
+                 (`planner/draft_planner.py`), so the same request gives the same tokens in any
+                 batch under any load. Fixed-N rows are reproducible by construction.
     """
 
     adaptive: bool = False
@@ -61,6 +67,7 @@ class RowMode:
     draws_nu: bool = False
     draft_only: bool = False
     eager_draft: bool = False
+    reproducible: bool = False
 
     @classmethod
     def of(
@@ -71,8 +78,10 @@ class RowMode:
         strict_nu: bool = True,
         allow_draft_only: bool = False,
         head_exact_at_top: bool = False,
+        reproducible: bool = False,
     ) -> RowMode:
-        """`fixed`: the row's N, None for adaptive. `strict_nu`: adaptive rows draw from ν too."""
+        """`fixed`: the row's N, None for adaptive. `strict_nu`: adaptive rows draw from ν too.
+        `reproducible`: seeded or greedy (kept for adaptive rows only)."""
         adaptive = fixed is None
         speculative = adaptive or fixed > 0
         uses_head = v.learned and not (head_exact_at_top and v.dial >= 1.0)
@@ -81,7 +90,8 @@ class RowMode:
         draws_nu = needs_q and (strict_nu or not adaptive)
         draft_only = allow_draft_only and adaptive and ensemble and not v.learned and v.weight == 0.0
         eager_draft = draft_only or draws_nu or (not adaptive and speculative)
-        return cls(adaptive, speculative, uses_head, needs_q, draws_nu, draft_only, eager_draft)
+        reproducible = reproducible and adaptive
+        return cls(adaptive, speculative, uses_head, needs_q, draws_nu, draft_only, eager_draft, reproducible)
 
 
 @dataclass(eq=False)
@@ -102,6 +112,8 @@ class Row:
     stats: SpecStats = field(default_factory=SpecStats)
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     rounds: int = 0  # rounds this row has advanced in (the scheduler's fault-isolation mark)
+    token_bytes: TokenBytes | None = None  # renders tokens for log-probs (the engine shares one)
+    grammar: RowGrammar | None = None  # the `response_format` constraint's state (`grammar.py`)
 
     def __post_init__(self):
         s, v = self.request.sampling, self.request.verify
@@ -119,11 +131,14 @@ class Row:
         self.weight = 1.0 if self.learned and not self.mode.uses_head else float(v.weight)
         self.dial = v.dial  # the learned head's input, None for static rows
         self.policy = Policy.of(v)
-        self.stop_ids = frozenset(s.stop_token_ids) | (frozenset() if _ignore_eos(s) else self.eos_ids)
+        ends = frozenset() if _ignore_eos(s) and self.grammar is None else self.eos_ids  # a grammar's end
+        self.stop_ids = frozenset(s.stop_token_ids) | ends
         seed = s.seed if s.seed is not None else random.SystemRandom().getrandbits(63)
         # Each row owns its random stream, so its draws do not depend on who shares the batch.
         self.generator = torch.Generator().manual_seed(int(seed))
         self.detok = IncrementalDetokenizer(self.tokenizer, self.seq)
+        if self.request.logprobs is not None and self.token_bytes is None:
+            self.token_bytes = TokenBytes(self.tokenizer)
         self.stopper = StopStringFilter(s.stop)
         self.stats.accepted_per_position = [0] * self.num_draft
         # The latest round as `_provenance` reads it: (k, w per position, N, bonus drawn from ν).
@@ -174,9 +189,10 @@ class Row:
         self.stats.draft_only_tokens += n
         self.stats.weight_count += n  # w = 0 at each (weight_sum unchanged): mean w reads 0
 
-    def emit_tokens(self, tokens: list[int]) -> None:
+    def emit_tokens(self, tokens: list[int], logprobs: list | None = None) -> None:
         """Append one round's tokens in order (its k accepted drafts, then the correction or bonus;
-        `record_round` has just been told k), applying stop rules; sends one chunk to the sink."""
+        `record_round` has just been told k), applying stop rules; sends one chunk to the sink.
+        `logprobs`: one `logprobs.RawLogprob` per token, for rows that asked."""
         max_tokens = self.request.sampling.max_tokens
         pieces, emitted, finish = [], [], None  # pieces[i]: the text released with emitted[i]
         for tok in tokens:
@@ -201,6 +217,10 @@ class Row:
         chunk = GenerationChunk("".join(pieces), emitted, self.prompt_len, self.completion, finish)
         if self.request.trace:
             chunk.provenance = self._provenance(pieces)
+        if logprobs is not None:
+            chunk.logprobs = [
+                self._logprob(tok, raw) for tok, raw in zip(emitted, logprobs[: len(emitted)], strict=True)
+            ]
         self.send(chunk)
         if finish is not None:
             self.done = True
@@ -226,6 +246,10 @@ class Row:
                 weight = float(weights[i])
             out.append(TokenTrace(source, text, weight, i, n))
         return out
+
+    def _logprob(self, token_id: int, raw) -> TokenLogprob:
+        top = tuple(TokenLogprob(*self.token_bytes(t), lp) for t, lp in raw.top)
+        return TokenLogprob(*self.token_bytes(token_id), raw.logprob, top)
 
     def send(self, chunk: GenerationChunk) -> None:
         chunk.stats = copy.deepcopy(self.stats)

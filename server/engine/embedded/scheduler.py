@@ -10,7 +10,9 @@ Terms
 
 Draft length: before the rounds of a step, the draft-length planner (`draft_planner.py`) sets N
 for the adaptive rows from their acceptance estimates and the measured cost model at this step's
-batch; fixed rows (a per-request num_draft, autoregressive requests) keep theirs.
+batch; fixed rows (a per-request num_draft, autoregressive requests) keep theirs. Seeded and greedy
+rows are planned alone, from their own history and the start-up cost profile, so that their output
+does not depend on the load (`draft_planner.py`, module doc).
 
 Grouping: rows with different N (including N = 0) run as separate rounds within the same step.
 Mixing them into one target forward would pad every N = 0 row to N+1 positions; separate rounds
@@ -28,7 +30,10 @@ Fault isolation: an exception while prefilling or stepping fails only the rows t
               row's generator. If some rows had advanced, the last of them raised (the rest run
               next step). Otherwise every row is run alone: the ones that raise alone are failed,
               the others get exactly the tokens they would have got (a row's draws depend only on
-              its own stream, so its output is the same alone or batched).
+              its own stream, so its output is the same alone or batched). The adaptive N keeps
+              that: a row learns its acceptance as it advances (`round.advance`), and a row whose
+              round did not run gets this step's plan undone (its count of plain rounds), so the
+              planner sees the same history for it next step as without the fault.
     engine    when every suspect failed alone, a probe request (`probe`, a tiny fresh row) is run;
               if it raises too, the engine itself is broken: `fault` is set, every row fails and
               the loop stops (the process should exit, see protocol.engine_fault). Failed rows get
@@ -174,6 +179,7 @@ class Scheduler:
         prefill_s = time.perf_counter() - t_prefill
         live = [row for row in self._running if not row.cancelled and not row.done]
         planner = self.models.planner
+        planned = [(row, row.rounds, row.estimate.plain_rounds) for row in live]
         if planner is not None:
             with self.timers.phase("plan", self.models.device):
                 planner.assign(live)
@@ -184,6 +190,9 @@ class Scheduler:
         for (_, n), rows in sorted(groups.items()):
             seconds = self._round(rows, n, planner.predict(rows, n) if planner is not None else None)
             rounds_s += seconds or 0.0
+        for row, rounds, plain_rounds in planned:
+            if row.rounds == rounds:  # no round ran (a fault): its next plan is this one's again
+                row.estimate.plain_rounds = plain_rounds
         for row in list(self._running):
             if row.cancelled or row.done:
                 self._retire(row)
@@ -228,6 +237,8 @@ class Scheduler:
             if row.rounds != mark[0]:
                 return False
             row.generator.set_state(mark[1])  # as if the call had not drawn its coins
+            if row.grammar is not None:  # ... nor its matcher taken the round's drafts
+                row.grammar.settle(0, None)
             return True
 
         waiting = [(row, mark) for row, mark in zip(rows, marks, strict=True) if put_back(row, mark)]

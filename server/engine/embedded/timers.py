@@ -41,6 +41,8 @@ class StepTimers:
     prefills: int = 0
     plan_s: float = 0.0  # the draft-length planner's decisions, once per step (outside rounds)
     plans: int = 0
+    grammar_s: float = 0.0  # `response_format` masks (inside the phases above; `grammar.py`)
+    grammar_masks: int = 0  # masks computed (one per constrained row and position)
     draft_tokens: int = 0  # Σ N over rounds and rows (mean N = draft_tokens / row_rounds)
     row_rounds: int = 0  # Σ rows over rounds
     # Predictions made before each round (scheduler): the live cost model, and the start-up

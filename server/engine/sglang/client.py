@@ -20,7 +20,11 @@ Capabilities (declared in `info`, refused with EngineError('invalid_request') ra
 dropped): the ensemble rule only (the plugin patches SGLang's chain rejection sampler, which has
 no lossy/cascade/typical variants); one N per runtime (`--speculative-num-steps`), so a request
 may name only that N; the learned head only when the runtime was launched with one (`has_head`,
-the operator's statement, checked against the runtime's CUDA-graph settings at start).
+the operator's statement, checked against the runtime's CUDA-graph settings at start); no
+log-probs yet (the plugin makes SGLang's `return_logprob` report log ν, docs/sglang.md, but this
+client does not ask for it or read it back, and none of it has run on a GPU); no
+`response_format` (SGLang's grammar masks p only, so at w < 1 the draft's q would put mass on
+forbidden tokens: refused until the plugin masks q as well).
 
 Readiness (`readiness()`): `server.engine.sglang.readiness`'s w = 0 probe, run at start and every
 `probe.interval` seconds in the background; the gateway's `/ready` reads the cached result.
@@ -73,6 +77,10 @@ def sampling_params_for(request: GenerationRequest) -> dict[str, Any]:
 def unsupported_reason(info: EngineInfo, request: GenerationRequest) -> str | None:
     """Why `request` asks for something the runtime described by `info` cannot do, or None
     (autoregressive requests are served as w = 1: exactly the target)."""
+    if request.logprobs is not None and not info.token_logprobs:
+        return "logprobs are not supported by the SGLang backend yet; remove logprobs from the request"
+    if request.response_format is not None and not info.structured_output:
+        return "response_format is not supported by the SGLang backend yet; remove it from the request"
     return info.unsupported(request.verify)
 
 

@@ -41,6 +41,7 @@ class BenchRow:
     t_verify_ms: float | None = None  # target forward over N+1 positions + verifier call, per round
     t_target_ms: float | None = None  # mean round of the AR row at this concurrency
     plan_ms: float | None = None  # the draft-length planner per step (outside rounds)
+    grammar_ms: float | None = None  # `response_format` masks per round (inside its phases)
     trial_tokens_per_s: list[float] | None = None  # every trial (the row reports the best)
     note: str = ""
 
@@ -55,6 +56,8 @@ def engine_row(method, c, tokens, seconds, stats, timers, ar: BenchRow | None, *
     measured = timers["measured_predicted_round_s"]
     if timers["plans"]:
         row.plan_ms = 1e3 * timers["plan_s"] / timers["plans"]
+    if timers.get("grammar_masks"):
+        row.grammar_ms = 1e3 * timers["grammar_s"] / rounds
     if measured > 0:
         row.round_bias = (timers["predicted_round_s"] - measured) / measured
         row.round_error = timers["abs_error_s"] / measured
@@ -273,13 +276,18 @@ def to_markdown(report: dict) -> str:
             f"**acceptance forced** (`--forced-tv {m['forced_tv']}`): each draft accepted with probability "
             f"1 − w·{m['forced_tv']}, every forward, check and bonus step run for real; timing only\n"
         )
+    if m.get("response_format"):
+        lines.append(
+            "**response_format json** (`--response-format json`): every engine request follows a small "
+            "JSON schema and ends with it; grammar ms = the masks' host time per round (HF unconstrained)\n"
+        )
     if m.get("stopped_early"):
         lines.append(f"**stopped at --max-seconds {m['max_seconds']}: {m['stopped_early']}**\n")
     lines += [
         "| method | conc. | tok/s | decode tok/s | mean N | acc. rate | mean acc. len | pred. speedup "
         "| meas. speedup | round bias | round err. (live / profile) | verify frac. | t_draft ms "
-        "| t_verify ms | t_target ms | plan ms | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| t_verify ms | t_target ms | plan ms | grammar ms | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         err = f"{f(r['round_error'], '.1%')} / {f(r['profile_round_error'], '.1%')}"
@@ -291,7 +299,7 @@ def to_markdown(report: dict) -> str:
             f"| {f(r['round_bias'], '+.1%')} | {err} "
             f"| {f(r['verify_fraction'], '.1%')} | {f(r['t_draft_ms'], '.2f')} "
             f"| {f(r['t_verify_ms'], '.2f')} | {f(r['t_target_ms'], '.2f')} | {f(r['plan_ms'], '.3f')} "
-            f"| {r['note']} |"
+            f"| {f(r.get('grammar_ms'), '.3f')} | {r['note']} |"
         )
     lines += ["", "| target | value | goal | met | note |", "|---|---|---|---|---|"]
     for name, t in report["targets"].items():

@@ -54,6 +54,14 @@ class BenchConfig:
     profile_budget_s: float = 3.0
     cache_dir: str | None = None  # cost models / dtype choices (None: measured afresh)
     forced_tv: float | None = None  # accept drafts with probability 1 − w·TV (`EmbeddedEngineConfig`)
+    response_format: str | None = None  # "json": every engine request follows `workload.BENCH_SCHEMA`
+
+    def output_format(self):
+        """The engine requests' `response_format` (None: free text)."""
+        from server.engine.embedded.bench.workload import BENCH_SCHEMA
+        from server.engine.protocol import ResponseFormat
+
+        return ResponseFormat("json_schema", BENCH_SCHEMA) if self.response_format == "json" else None
 
     def waves_at(self, c: int) -> int:
         """Passes over the prompt list at concurrency c. One per c lets high-c rows run as many
@@ -311,7 +319,8 @@ def _run_trials(
         return True
 
     warm = tier_verification("standard")
-    engine_run(engine, prompt_ids[:2], 2, cfg.temperature, warm, clients=2)  # warm-up
+    fmt = cfg.output_format()
+    engine_run(engine, prompt_ids[:2], 2, cfg.temperature, warm, clients=2, response_format=fmt)  # warm-up
     for trial in range(cfg.trials):
         for c in cfg.concurrency:
             for method, tier, verify, fixed in _rotated(cfg.engine_plan(), trial, cfg.trials):
@@ -320,6 +329,7 @@ def _run_trials(
                     result = engine_run(
                         engine, prompt_ids, cfg.max_tokens, cfg.temperature, verify, c, cfg.waves_at(c),
                         on_request=best.request_done, spread=0.0 if method == UNIFORM else cfg.length_spread,
+                        response_format=fmt,
                     )  # fmt: skip
                     best.keep((method, c), result)
             planner.force = None

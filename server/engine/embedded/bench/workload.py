@@ -34,12 +34,24 @@ def bench_prompts(n: int = NUM_PROMPTS) -> list[str]:
     return suite_prompts(n)
 
 
+# `--response-format json`: bounded (a random-weight pair would otherwise write one string until
+# max_tokens) and with each kind of node, so masks are computed in every grammar state.
+BENCH_SCHEMA = (
+    '{"type":"object","properties":{"name":{"type":"string","maxLength":12},'
+    '"count":{"type":"integer","minimum":0,"maximum":999},"ok":{"type":"boolean"},'
+    '"tags":{"type":"array","items":{"enum":["a","b","c"]},"maxItems":4}},'
+    '"required":["name","count","ok","tags"],"additionalProperties":false}'
+)
+
+
 def engine_run(
-    engine, prompt_ids, max_tokens, temperature, verify, clients, waves=1, on_request=None, spread=0.0
-):
+    engine, prompt_ids, max_tokens, temperature, verify, clients, waves=1, on_request=None, spread=0.0,
+    response_format=None,
+):  # fmt: skip
     """Closed loop: `clients` clients work through the same `len(prompt_ids) * waves` requests
     (request i: prompt i mod P, seed i, `request_lengths(.., max_tokens, spread)[i]` tokens,
-    verification `verify`), each sending its next request when one finishes. Returns (tokens,
+    verification `verify`, output constraint `response_format`), each sending its next request when
+    one finishes. Returns (tokens,
     seconds, per-request SpecStats, the scheduler's timers)."""
     from server.engine.protocol import GenerationRequest, SamplingOptions
 
@@ -60,6 +72,7 @@ def engine_run(
             tuple(prompt_ids[i % len(prompt_ids)]),
             SamplingOptions(temperature=temperature, max_tokens=lengths[i], seed=i, ignore_eos=True),
             verify,
+            response_format=response_format,
         )
 
     sched = engine.scheduler

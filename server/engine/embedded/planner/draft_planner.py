@@ -1,6 +1,29 @@
 """The engine's side of the draft-length policy (`draft_length.py`, which defines the terms): each
 step it reads the rows into `RowChoice`s, asks `choose` for their draft lengths over a snapshot of
-the cost model (`RoundTable`), and after each round it learns acceptance, TV̂ and stage times."""
+the cost model (`RoundTable`), and after each round it learns acceptance, TV̂ and stage times.
+
+Reproducible rows (`RowMode.reproducible`: a seed was given, or greedy). A row's tokens are a
+function of its prompt, its own random stream and its sequence of draft lengths: the same N
+sequence draws the same coins and makes the same verdicts. The live plan is not a function of the
+row alone: it reads measured stage times (the host's load), the batch it lands in (round times at
+R rows, the other rows' choices), TV̂ and the calibration, which every row moves. So a reproducible
+row is planned *alone*: from its own acceptance evidence, the prior TV̂ (`PairAgreement.prior_tv`,
+a constant), no calibration, and the start-up cost profile at one row (`profile_table`, built once
+and never updated); the joint search then takes its N as fixed. Its N sequence, and with it its
+output, is then the same whatever the load, the batch and the timings.
+
+Why not randomness keyed by output position, so that N could not change what is sampled? Because
+no such coupling exists for this rule. A drafted position's token is the speculative outcome
+`x = F_q⁻¹(u)`, kept if `u' < ν(x)/q(x)`, else a residual draw: a function of q as well as ν; an
+undrafted one (an N = 0 round's token, a bonus) is drawn from ν (or from p, the default for adaptive
+w < 1 rows: `RowMode.draws_nu`) with no q to couple to. For both to give the same token from the
+same position-keyed uniforms, the undrafted draw would have to run the draft (a draft step per
+undrafted token, the cost N = 0 rounds exist to avoid) and draw from ν, not p. A draft-invariant
+coupling does exist (Gumbel-max on shared per-position noise: draft `argmax(log q + G)`, output
+`argmax(log ν + G)`), but it accepts with probability about (1 − TV)/(1 + TV) instead of the optimal
+1 − w·TV the planner, the DIVERSED analysis and the verifier are built on: a slower rule for every
+request. Planning alone costs only the seeded rows some joint-search goodput.
+"""
 
 from __future__ import annotations
 
@@ -38,6 +61,8 @@ class PlannedMode(Protocol):
     def draft_only(self) -> bool: ...
     @property
     def draws_nu(self) -> bool: ...
+    @property
+    def reproducible(self) -> bool: ...
 
 
 class PlannedRow(Protocol):
@@ -127,8 +152,9 @@ class DraftPlanner:
     batch signature (rounded β, draws_nu, fixed, catch-up per row; rows running) and cost-table
     epoch, so steady batches do not re-run the search every step; a row planned at n = 0 for long
     enough may draft for one round (`draft_length.explore`). `profile` is the
-    start-up cost model, kept unchanged to report how well it alone predicts rounds. `force`
-    pins every adaptive row to one N (benchmarks sweep fixed N with it, N = 0 included)."""
+    start-up cost model, kept unchanged to report how well it alone predicts rounds and to plan
+    reproducible rows from (module doc). `force` pins every adaptive row to one N (benchmarks
+    sweep fixed N with it, N = 0 included)."""
 
     def __init__(self, cost, max_n: int, margin: float = MARGIN, max_batch: int = 8):
         self.cost = cost
@@ -143,35 +169,70 @@ class DraftPlanner:
         self._plans: dict[tuple, list[int]] = {}
         self._plain: tuple[tuple, int] | None = None  # (rows, epoch) of a step planned all at n = 0
         self._choices: dict[int, RowChoice] = {}  # this step's, by row id (`predict` reads them)
+        self._planned: dict[int, tuple[float, tuple]] = {}  # this step's `_estimate`s, by row id
+        self._alone: dict[tuple[RowChoice, bool], int] = {}  # reproducible rows' plans
 
     def set_cost(self, cost) -> None:
-        """Decide from another cost model from now on (tests and experiments pin one)."""
+        """Decide from another cost model from now on (tests and experiments pin one). It is then
+        the start-up profile too: reproducible rows plan from it."""
         self.cost = cost
         self.table = RoundTable(cost, self.table.max_batch, self.max_n)
+        self.profile = cost.copy()
+        self.profile_table = RoundTable(self.profile, self.table.max_batch, self.max_n)
         self._plans.clear()
+        self._alone.clear()
         self._plain = None
 
     def _estimate(self, row: PlannedRow) -> tuple[float, tuple]:
-        """The row's acceptance estimate (uncalibrated) and its calibration key."""
+        """The row's acceptance estimate (uncalibrated) and its calibration key. Reproducible rows
+        read the prior TV̂, a constant, not the running one that every row moves."""
         w = row.prior_weight if row.policy.kind == PolicyKind.ENSEMBLE else 1.0
-        return row.estimate.beta(1.0 - w * self.agreement.tv), (row.policy.kind, round(w, 2))
+        tv = self.agreement.prior_tv if row.mode.reproducible else self.agreement.tv
+        return row.estimate.beta(1.0 - w * tv), (row.policy.kind, round(w, 2))
 
-    def row_choice(self, row: PlannedRow) -> RowChoice:
-        fixed = None if row.mode.adaptive else row.num_draft
+    def row_choice(self, row: PlannedRow, alone: bool = False) -> RowChoice:
+        """What `choose` reads of the row. Reproducible rows: uncalibrated, catch-ups priced from
+        the start-up profile; for the batch's search they are fixed at the N they were planned at
+        alone (`_plan_alone`, which asks for its own choice with `alone`)."""
+        fixed = None if row.mode.adaptive and (alone or not row.mode.reproducible) else row.num_draft
+        alone = row.mode.reproducible
         raw, key = self._estimate(row)
-        beta = min(raw * self.calibration.factor(key), 1.0)
+        beta = min(raw * (1.0 if alone else self.calibration.factor(key)), 1.0)
         catchup = 0.0
         if row.draft_lag > 2:  # a forward over the lag, spread over the rounds left
+            table = self.profile_table if alone else self.table
             rounds_left = max(1.0, row.tokens_left / expected_tokens(beta, max(self.max_n // 2, 1)))
-            catchup = log_grid(self.table.catch_up(row.draft_lag - 1) / rounds_left)
+            catchup = log_grid(table.catch_up(row.draft_lag - 1) / rounds_left)
         # Near its end a request cannot emit more than it has left; far from it, no cap, so that
         # rows of one tier form one class for the search (β on a grid for the same reason).
         cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
         return RowChoice(beta_grid(beta), row.mode.draws_nu, fixed, catchup, cap)
 
+    def _plan_alone(self, row: PlannedRow) -> None:
+        """A reproducible row's N (module doc): `choose` and `explore` as for a batch of this row
+        alone, on the start-up profile. A function of the row's own history (its evidence, lag,
+        tokens left and plain rounds), so its N sequence is the same in any batch under any load."""
+        choice = self.row_choice(row, alone=True)
+        due = row.estimate.plain_rounds >= EXPLORE_AFTER
+        key = (choice, due)
+        n = self._alone.get(key)
+        if n is None:
+            table, step = self.profile_table, self.profile_table.step(1)
+            (n,) = choose([choice], table, self.max_n, self.margin, step)
+            if due and not n:
+                m = catch_up_size([row.draft_lag])
+                catch_up = table.catch_up(m) if m else 0.0
+                n = (explore([choice], [0], [True], table, self.max_n, step, catch_up) or [0])[0]
+            if len(self._alone) > 512:
+                self._alone.clear()
+            self._alone[key] = n
+        row.num_draft = n
+        # tried or not, an exploration's next look is EXPLORE_AFTER plain rounds away
+        row.estimate.plain_rounds = 0 if n or due else row.estimate.plain_rounds + 1
+
     def assign(self, rows: Sequence[PlannedRow]) -> None:
         running = len(rows)
-        self._choices = {}
+        self._choices, self._planned = {}, {}
         draft_only = [row for row in rows if row.mode.draft_only]
         for row in draft_only:  # the draft's own decoding (`draft_only.py`): no choice to make
             row.num_draft = max(1, min(self.max_n, row.tokens_left))
@@ -184,15 +245,21 @@ class DraftPlanner:
                 if row.mode.adaptive:
                     row.num_draft = self.force
             return
+        for row in rows:
+            if row.mode.adaptive and row.mode.reproducible:
+                self._plan_alone(row)
+        if not any(_free(row) for row in rows):
+            return
         self.table.refresh()
         if self._still_plain(rows):
             for row in rows:
-                if row.mode.adaptive:
+                if _free(row):
                     row.num_draft = 0
                     row.estimate.plain_rounds += 1
             return
         choices = [self.row_choice(row) for row in rows]
         self._choices = {id(row): c for row, c in zip(rows, choices, strict=True)}
+        self._planned = {id(row): self._estimate(row) for row in rows if _free(row)}
         key = (tuple(choices), running, self.table.epoch)
         plan = self._plans.get(key)
         if plan is None:
@@ -201,7 +268,7 @@ class DraftPlanner:
                 self._plans.clear()
             self._plans[key] = plan
         due = [
-            r.mode.adaptive and not n and r.estimate.plain_rounds >= EXPLORE_AFTER
+            _free(r) and not n and r.estimate.plain_rounds >= EXPLORE_AFTER
             for r, n in zip(rows, plan, strict=True)
         ]
         if any(due):  # see `explore` in draft_length.py
@@ -213,7 +280,7 @@ class DraftPlanner:
                 if d:  # tried or not, the next look is EXPLORE_AFTER plain rounds away
                     row.estimate.plain_rounds = 0
         for row, n in zip(rows, plan, strict=True):
-            if row.mode.adaptive:
+            if _free(row):
                 row.num_draft = n
                 row.estimate.plain_rounds = 0 if n else row.estimate.plain_rounds + 1
         plain = not any(plan) and not any(row.mode.draws_nu for row in rows)
@@ -232,7 +299,8 @@ class DraftPlanner:
             and last[1] == self.table.epoch
             and len(last[0]) == len(rows)
             and all(a is b for a, b in zip(last[0], rows, strict=True))
-            and not any(row.mode.adaptive and row.estimate.plain_rounds >= EXPLORE_AFTER for row in rows)
+            and not any(_free(row) and row.estimate.plain_rounds >= EXPLORE_AFTER for row in rows)
+            and not any(row.num_draft for row in rows if not _free(row))  # reproducible ones may move
         )
 
     def predict(self, rows: Sequence[PlannedRow], n: int) -> tuple[float, float]:
@@ -279,11 +347,10 @@ class DraftPlanner:
         r, n, cost = batch.size, batch.n, self.cost
         if n and self.force is None:  # the planner chose n for its adaptive rows: calibrate
             for row, k, accept in zip(batch.rows, out.num_accepted, out.accept_probs, strict=True):
-                if row.mode.adaptive:
-                    raw, key = self._estimate(row)  # what this round was planned with
+                if _free(row):  # with what this round was planned with (the row has seen it since)
+                    raw, key = self._planned.get(id(row)) or self._estimate(row)
                     self.calibration.observe(key, k, len(accept), raw)
-        for row, accept, tv in zip(batch.rows, out.accept_probs, out.tv, strict=True):
-            row.estimate.observe(accept)
+        for tv in out.tv:  # (each row's own acceptance evidence is its own: `round.advance`)
             self.agreement.observe(tv)
         forward = seconds.get("verify_forward" if n else "target_forward", 0.0)
         caught_up = self._learn_catch_ups(batch)  # in the draft phase if n, else in the bonus step
@@ -313,3 +380,8 @@ class DraftPlanner:
         cost.observe("check", r, n, seconds["verify_call"])
         staged = sum(v for k, v in seconds.items() if k != "round")
         cost.observe("other", r, 0, max(seconds["round"] - staged, 0.0))
+
+
+def _free(row: PlannedRow) -> bool:
+    """An adaptive row the batch's search plans (reproducible rows are planned alone)."""
+    return row.mode.adaptive and not row.mode.reproducible

@@ -1,0 +1,211 @@
+"""Reproducible seeds under the adaptive draft length (issue 31, part 3; tiny pair).
+
+A seeded (or greedy) request must give the same tokens alone, in busy mixed batches and whatever
+the host's timings, with the default adaptive N. The planner makes its N sequence a function of
+its own history and the start-up cost profile (`planner/draft_planner.py`, module doc); these tests
+check the tokens and the N sequences themselves, and that N really varies (else they prove
+nothing). Fault retries: tests/test_engine_faults.py runs its exactness tests on an adaptive engine
+too."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from server.engine.embedded.planner.draft_length import AcceptanceEstimate, PairAgreement
+from server.engine.embedded.planner.draft_planner import DraftPlanner, RoundTable
+from server.engine.embedded.row import RowMode
+from server.engine.protocol import GenerationRequest, SamplingOptions
+from tests.tiny_pair import drafting_costs
+from verifier.dial import PolicyKind, Verification
+
+MAX_BATCH = 4
+MSG_SHORT = [{"role": "user", "content": "Tom has 12 apples"}]
+
+
+def _head(h_draft, h_target, dial):
+    """A stand-in learned head: w_t = dial/2 + 0.25·sigmoid(mean target state)."""
+    return (0.5 * dial.view(-1, 1) + 0.25 * torch.sigmoid(h_target.mean(-1))).clamp(0, 1)  # [R, N]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    eng = EmbeddedEngine(
+        EmbeddedEngineConfig(
+            *tiny_pair, max_batch=MAX_BATCH, max_context=160, profile_budget_s=0.3, head=_head
+        )
+    )
+    eng.start_sync()
+    eng.scheduler.models.planner.set_cost(drafting_costs(MAX_BATCH, eng.config.max_num_draft))
+    yield eng
+    asyncio.run(eng.stop())
+
+
+# Seeded requests over the dial: exact, two static tiers (one with top-p), quality 0 (draft only), a
+# greedy w < 1 row (its bonus, from p, depends on N too), and a learned row.
+SEEDED = [
+    dict(weight=1.0),
+    dict(weight=0.5),
+    dict(weight=0.25, top_p=0.9),
+    dict(weight=0.0),
+    dict(weight=0.5, temperature=0.0),
+    dict(weight=0.6, dial=0.6),
+]
+
+
+def _request(engine, rid: str, text: str, seed: int | None, max_tokens: int, **kw) -> GenerationRequest:
+    verify = Verification(**{k: kw.pop(k) for k in list(kw) if k in Verification.__dataclass_fields__})
+    ids = tuple(engine.encode_chat([{"role": "user", "content": text}]))
+    sampling = SamplingOptions(max_tokens=max_tokens, seed=seed, ignore_eos=True, **kw)
+    return GenerationRequest(rid, ids, sampling, verify, trace=True)
+
+
+def _seeded(engine) -> list[GenerationRequest]:
+    return [_request(engine, f"s{i}", f"prompt {i}", 100 + i, 40, **spec) for i, spec in enumerate(SEEDED)]
+
+
+def _noise(engine, rng: random.Random, count: int) -> list[GenerationRequest]:
+    """Unseeded requests at random qualities and lengths: they shape the batches and the live plan."""
+    out = []
+    for i in range(count):
+        spec = rng.choice([dict(weight=1.0), dict(weight=0.3), dict(weight=0.0), dict(weight=0.8, top_k=20)])
+        out.append(_request(engine, f"n{i}", f"noise {i}", None, rng.randint(8, 48), **spec))
+    return out
+
+
+async def _collect(engine, req) -> tuple[list[int], list[int]]:
+    """(token ids, N of the round of each token)."""
+    chunks = [c async for c in engine.generate(req)]
+    return [t for c in chunks for t in c.token_ids], [p.num_draft for c in chunks for p in c.provenance]
+
+
+def _together(engine, requests) -> list[tuple[list[int], list[int]]]:
+    async def main():
+        return await asyncio.gather(*[_collect(engine, r) for r in requests])
+
+    return asyncio.run(main())
+
+
+def test_seeded_requests_are_the_same_alone_and_in_busy_batches_under_any_timings(engine):
+    planner = engine.scheduler.models.planner
+    seeded = _seeded(engine)
+    alone = [_together(engine, [r])[0] for r in seeded]
+    # N varies within requests and across the dial, so the sequences below are a real test
+    assert any(len(set(ns)) > 1 for _, ns in alone)
+    assert len({tuple(ns) for _, ns in alone}) > 2
+
+    rng = random.Random(0)
+    for trial in range(2):
+        if trial == 1:  # the host's live timings change: verification grows 50 ms a position
+            _time_live(planner, _slowed(MAX_BATCH, planner.max_n, "score", lambda t: 0.05 * t))
+        noise = _noise(engine, rng, 8)
+        mixed = seeded + noise
+        order = list(range(len(mixed)))
+        rng.shuffle(order)
+        results = _together(engine, [mixed[i] for i in order])
+        by_request = {mixed[i].request_id: out for i, out in zip(order, results, strict=True)}
+        for req, (tokens, ns) in zip(seeded, alone, strict=True):
+            got_tokens, got_ns = by_request[req.request_id]
+            assert got_ns == ns, f"{req.request_id}: N sequence differs in a busy batch (trial {trial})"
+            assert got_tokens == tokens, f"{req.request_id}: output differs in a busy batch (trial {trial})"
+
+
+def _slowed(max_batch: int, max_n: int, kind: str, seconds):
+    """`drafting_costs` with stage `kind` taking `seconds(t)`."""
+    model = drafting_costs(max_batch, max_n)
+    for k, r, t in list(model.entries):
+        if k == kind:
+            model.set(k, r, t, seconds(t))
+    return model
+
+
+def _time_live(planner: DraftPlanner, cost) -> None:
+    """What a host under another load would have measured: the live model only (the start-up
+    profile stays; `set_cost` would pin both)."""
+    planner.cost, planner.table = cost, RoundTable(cost, planner.table.max_batch, planner.max_n)
+
+
+def _planned_row(weight: float, seed: bool):
+    from types import SimpleNamespace
+
+    from verifier import Policy
+
+    mode = RowMode.of(Verification(weight=weight), None, strict_nu=False, reproducible=seed)
+    return SimpleNamespace(
+        mode=mode, num_draft=0, estimate=AcceptanceEstimate(), prior_weight=weight,
+        policy=Policy(PolicyKind.ENSEMBLE), draft_lag=1, tokens_left=200,
+    )  # fmt: skip
+
+
+def test_a_reproducible_rows_n_reads_only_its_own_history():
+    """Planned alone on the start-up profile: the batch, the live cost model, TV̂ and the
+    calibration move a free row's N and never a reproducible row's."""
+    max_n = 6
+    planner = DraftPlanner(drafting_costs(8, max_n), max_n)
+
+    def plan(rows):
+        planner.assign(rows)
+        return [row.num_draft for row in rows]
+
+    seeded, free = _planned_row(0.5, seed=True), _planned_row(0.5, seed=False)
+    for row in (seeded, free):
+        row.estimate.observe([0.8] * 6)
+    reference = plan([seeded])[0]
+    assert reference > 0
+    free_alone = plan([free])[0]
+    free_in_batch = plan([free] + [_planned_row(1.0, False) for _ in range(7)])[0]
+    assert free_in_batch != free_alone  # the batch moves a free row's N ...
+    assert plan([seeded] + [_planned_row(1.0, False) for _ in range(7)])[0] == reference  # ... not this one's
+    planner.agreement = PairAgreement(prior_tv=planner.agreement.prior_tv, total=90.0, count=100.0)
+    planner.calibration.observe((PolicyKind.ENSEMBLE, 0.5), 0, 400, 0.9)
+    _time_live(planner, _slowed(8, max_n, "draft", lambda t: 0.05))
+    assert plan([free])[0] == 0  # the host, TV̂ and the calibration all say: do not draft
+    assert plan([seeded])[0] == reference
+    # its own evidence does move it
+    seeded.estimate.observe([0.0] * 40)
+    assert plan([seeded])[0] == 0
+
+
+def test_a_row_whose_round_did_not_run_is_planned_again_from_the_same_state(tiny_pair):
+    """A batched round that raises in `advance` leaves the rows after the raising one without their
+    round; the step's plan counted it for them (a plain round towards exploring). The scheduler
+    undoes that count, so the next plan sees the same history as without the fault. Driven step by
+    step on a scheduler of its own."""
+    from server.engine.embedded.scheduler import Scheduler
+
+    eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=2, max_context=96, profile_budget_s=0.3))
+    models = eng.load_models()
+    models.planner.set_cost(drafting_costs(2, eng.config.max_num_draft))
+    sched = Scheduler(models, 2)
+    ids = tuple(eng.encode_chat(MSG_SHORT))
+
+    class Exploding:  # raises when the first round after the prefill's token is emitted
+        fed = 0
+
+        def feed(self, text):
+            self.fed += 1
+            if self.fed > 1:
+                raise RuntimeError("stop filter bug")
+            return text, False
+
+        def flush(self):
+            return ""
+
+    def row(rid):  # w = 1 on the tiny pair: planned at N = 0, a plain round each step
+        request = GenerationRequest(rid, ids, SamplingOptions(max_tokens=8, seed=1, ignore_eos=True))
+        return eng.make_row(request, lambda _item: None)
+
+    poison, innocent = row("poison"), row("innocent")
+    poison.stopper = Exploding()
+    for r in (poison, innocent):
+        sched.submit(r)
+    sched.step()  # admission: each row's first token from the prefill, then their first round
+    assert poison.done and not innocent.done  # the poison raised first: the innocent never advanced
+    assert innocent.rounds == 1 and innocent.num_draft == 0
+    assert innocent.estimate.plain_rounds == 0  # the plan's count undone
+    sched.step()
+    assert innocent.rounds == 2 and innocent.estimate.plain_rounds == 1
