@@ -28,9 +28,10 @@ ENV PATH=/opt/venv/bin:$PATH
 # torch first, from the CPU index: an unpinned torch from PyPI pulls the multi-GB CUDA build.
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /app
-# Dependencies only (a layer that changes with pyproject.toml, not with every source edit).
+# Dependencies only (a layer that changes with pyproject.toml, not with every source edit), with
+# the `structured` extra (xgrammar: response_format), so the image serves structured outputs.
 COPY pyproject.toml README.md ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['structured']))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && python -c "import torch; assert not torch.version.cuda, 'CUDA torch slipped into the CPU image'"
 # The sources (.dockerignore lets only the package folders and models/ through).
