@@ -46,7 +46,7 @@ def api_schema(server):
 def _not_schema_stateable(response) -> bool:
     """400s for rules no JSON schema can state: a prompt that does not fit beside max_tokens in
     the context window (it depends on the tokenized prompt), and a `min_quality` above the
-    request's quality (a comparison of two fields' numbers; schemas.FLOOR_RULES states the rest)."""
+    request's quality (a comparison of two fields' numbers; schema_rules.FLOOR_RULES states the rest)."""
     if response.status_code != 400:
         return False
     error = response.json()["error"]
