@@ -292,11 +292,20 @@ def test_bad_formats_are_a_400_naming_the_field(client):
     assert r.status_code == 200
 
 
-def test_sglang_backend_refuses_response_format(tiny_pair):
-    body = {"model": "gpu-pair", "messages": MSG, "max_tokens": 4, "response_format": {"type": "json_object"}}
-    with sglang_gateway(tiny_pair[0]) as (engine, srv, _runtime):
-        assert engine.info.structured_output is False
-        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=30)
-        err = r.json()["error"]
-        assert r.status_code == 400 and err["param"] == "response_format"
-        assert err["code"] == "response_format_unsupported" and "sglang" in err["message"]
+def test_sglang_backend_passes_response_format_as_its_json_schema(tiny_pair):
+    """SGLang masks p with its grammar and the plugin masks q the same way (issue 30), so the
+    gateway sends the schema on at every quality, in SGLang's own `json_schema` parameter."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}
+    with sglang_gateway(tiny_pair[0]) as (engine, srv, runtime):
+        assert engine.info.structured_output is True
+        for quality, rf in ((0.25, fmt), (1.0, {"type": "json_object"})):
+            body = {"model": "gpu-pair", "messages": MSG, "max_tokens": 4, "quality": quality,
+                    "response_format": rf}  # fmt: skip
+            r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            sent = runtime.requests[-1]["sampling_params"]
+            assert json.loads(sent["json_schema"]) == {"type": "object"}
+            assert sent["custom_params"]["dialspec_w"] == quality
+        plain = {"model": "gpu-pair", "messages": MSG, "max_tokens": 4}
+        assert httpx.post(srv.url + "/v1/chat/completions", json=plain, timeout=30).status_code == 200
+        assert "json_schema" not in runtime.requests[-1]["sampling_params"]

@@ -22,9 +22,11 @@ no lossy/cascade/typical variants); one N per runtime (`--speculative-num-steps`
 may name only that N; the learned head only when the runtime was launched with one (`has_head`,
 the operator's statement, checked against the runtime's CUDA-graph settings at start); no
 log-probs yet (the plugin makes SGLang's `return_logprob` report log ν, docs/sglang.md, but this
-client does not ask for it or read it back, and none of it has run on a GPU); no
-`response_format` (SGLang's grammar masks p only, so at w < 1 the draft's q would put mass on
-forbidden tokens: refused until the plugin masks q as well).
+client does not ask for it or read it back, and none of it has run on a GPU). `response_format`
+goes to SGLang's own `json_schema` sampling parameter (`{"type": "object"}` for `json_object`, as
+SGLang's OpenAI adapter sends it) at every quality: SGLang's grammar masks the target, and the
+plugin masks the draft's q with the same vocabulary mask before it forms ν (docs/sglang.md,
+"Constraints"), so no w lets a forbidden token through. Not yet executed on a GPU.
 
 Readiness (`readiness()`): `server.engine.sglang.readiness`'s w = 0 probe, run at start and every
 `probe.interval` seconds in the background; the gateway's `/ready` reads the cached result.
@@ -53,6 +55,9 @@ __all__ = ["SGLangEngine", "sampling_params_for", "stats_from_meta", "unsupporte
 logger = logging.getLogger(__name__)
 
 
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what SGLang's OpenAI adapter sends for json_object
+
+
 def sampling_params_for(request: GenerationRequest) -> dict[str, Any]:
     """SGLang `sampling_params` for a dialspec request (SGLang names; -1 top_k = off)."""
     s, v = request.sampling, request.verify
@@ -71,6 +76,8 @@ def sampling_params_for(request: GenerationRequest) -> dict[str, Any]:
         out["sampling_seed"] = s.seed
     if s.ignore_eos:
         out["ignore_eos"] = True
+    if (fmt := request.response_format) is not None:
+        out["json_schema"] = fmt.schema if fmt.kind == "json_schema" else JSON_OBJECT_SCHEMA
     return out
 
 
@@ -117,6 +124,7 @@ class SGLangEngine:
             backend="sglang",
             policies=(PolicyKind.ENSEMBLE,),
             max_num_draft=None,  # one N per runtime (--speculative-num-steps)
+            structured_output=True,  # SGLang's grammar on p, the plugin's mask on q
         )
         # read_timeout bounds the gap between two chunks (and the wait for the first one).
         self._timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
