@@ -298,3 +298,32 @@ def test_page_is_served_without_a_key_and_shipped_with_the_package(server):
     assert httpx.get(server.url + "/v1/dial").status_code == 401  # the API keeps its key
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert '"server.gateway" = ["static/*"]' in pyproject
+
+
+def test_a_json_schema_per_column_constrains_its_output(page):
+    """The column's schema box becomes `response_format`: both columns' outputs parse and validate
+    (quality 0 and exact alike), and a box that is not JSON is refused in the page."""
+    import json
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 12}, "sure": {"type": "boolean"}},
+        "required": ["answer", "sure"],
+        "additionalProperties": False,
+    }
+    _unlock(page)
+    page.fill("#col-b .quality", "0")
+    for col in ("#col-a", "#col-b"):
+        page.click(f"{col} .schema-box summary")
+        page.fill(f"{col} .schema", json.dumps(schema))
+    _generate(page, max_tokens=200, seed=5)  # the schema bounds the output well under 200 tokens
+    for col in ("#col-a", "#col-b"):
+        assert page.get_attribute(col, "data-state") == "done", page.inner_text(f"{col} .error")
+        jsonschema.validate(json.loads(page.inner_text(f"{col} .output")), schema)
+    page.screenshot(path=str(ARTIFACTS / "json-schema.png"), full_page=True)
+    page.fill("#col-a .schema", "{not json")
+    _generate(page, max_tokens=8, seed=5)
+    assert page.get_attribute("#col-a", "data-state") == "error"
+    assert "not JSON" in page.inner_text("#col-a .error")

@@ -98,6 +98,8 @@ class Column {
     $(".col-title", section).id = `${section.id}-title`;
     $(".col-name", section).textContent = name;
     this.slider = $(".quality", section);
+    this.schema = $(".schema", section);
+    this.schema.setAttribute("aria-label", `JSON schema for column ${name}`);
     this.auto = $(".auto-toggle", section);
     this.output = $(".output", section);
     this.errorBox = $(".error", section);
@@ -304,17 +306,32 @@ function requestBody(col) {
   if (temperature !== "") body.temperature = Number(temperature);
   if (seed !== "") body.seed = Number(seed);
   if (dial.token_provenance) body.dialspec_trace = true;
+  // A schema in the column's box: response_format, so the dial runs on constrained output.
+  const schema = col.schema.value.trim();
+  if (schema !== "") {
+    body.response_format = {
+      type: "json_schema",
+      json_schema: { name: "playground", schema: JSON.parse(schema), strict: true },
+    };
+  }
   return body;
 }
 
 async function runColumn(col, controller) {
   col.reset();
+  let body;
+  try {
+    body = JSON.stringify(requestBody(col));
+  } catch (exc) {
+    col.fail({ message: `the JSON schema is not JSON: ${exc.message}`, param: "response_format" });
+    return;
+  }
   let resp;
   try {
     resp = await fetch("/v1/chat/completions", {
       method: "POST",
       headers: headers(),
-      body: JSON.stringify(requestBody(col)),
+      body,
       signal: controller.signal,
     });
   } catch (exc) {
