@@ -226,3 +226,28 @@ def test_first_token_comes_with_the_prefill_unless_disabled(tiny_pair, from_pref
     assert all(s.drafts == s.verify_steps - from_prefill for s in stats)
     assert all(s.draft_tokens == 3 * s.drafts for s in stats)
     assert timers.rounds == max(s.verify_steps for s in stats) - from_prefill  # both rows in each round
+
+
+def test_draft_only_tokens_count_what_was_kept_when_a_stop_ends_the_round(engine):
+    """A draft-only round draws N_max tokens; a stop token inside it ends the request there, and
+    `draft_only_tokens` counts the completion's tokens, not the ones drawn past the stop."""
+    ids = tuple(engine.encode_chat([{"role": "user", "content": "Tom has 12 apples"}]))
+
+    def run(stop_ids=()):
+        req = GenerationRequest(
+            "s", ids, SamplingOptions(max_tokens=20, seed=3, ignore_eos=True, stop_token_ids=stop_ids),
+            Verification(weight=0.0),
+        )  # fmt: skip
+
+        async def go():
+            return [c async for c in engine.generate(req)]
+
+        return asyncio.run(go())
+
+    free = run()
+    tokens = [t for c in free for t in c.token_ids]
+    stop = tokens[2]  # the third token: inside the first draft-only round (N_max >= 4)
+    assert engine.config.max_num_draft >= 4 and stop not in tokens[:2]
+    last = run((stop,))[-1]
+    assert last.finish_reason == "stop" and last.completion_tokens == 3
+    assert last.stats.draft_only_tokens == 3

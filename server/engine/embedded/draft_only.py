@@ -51,7 +51,7 @@ def run_draft_only_round(models: Models, rows: list[Row], n: int, timers: StepTi
             row.record_draft_only(n)
             if row.grammar is not None:  # every draft is kept: its matcher took them all
                 row.grammar.settle(n, None)
-            row.emit_tokens(toks, lps.get(i))
+            row.emit_tokens(toks, lps.get(i), draft_only=True)
     timers.draft_tokens += n * len(rows)
     timers.row_rounds += len(rows)
     if models.planner is not None:

@@ -183,16 +183,17 @@ class Row:
             st.weight_count += len(weights)
 
     def record_draft_only(self, n: int) -> None:
-        """A draft-only round of `n` tokens drawn from q = ν (w = 0); traced as drafts with w = 0."""
+        """A draft-only round of `n` tokens drawn from q = ν (w = 0); traced as drafts with w = 0.
+        (`emit_tokens(..., draft_only=True)` counts the ones kept: a stop may end it sooner.)"""
         self.last_round = (n, [0.0] * n, n, False)
         self.rounds += 1
-        self.stats.draft_only_tokens += n
         self.stats.weight_count += n  # w = 0 at each (weight_sum unchanged): mean w reads 0
 
-    def emit_tokens(self, tokens: list[int], logprobs: list | None = None) -> None:
+    def emit_tokens(self, tokens: list[int], logprobs: list | None = None, draft_only: bool = False) -> None:
         """Append one round's tokens in order (its k accepted drafts, then the correction or bonus;
         `record_round` has just been told k), applying stop rules; sends one chunk to the sink.
-        `logprobs`: one `logprobs.RawLogprob` per token, for rows that asked."""
+        `logprobs`: one `logprobs.RawLogprob` per token, for rows that asked. `draft_only`: a
+        draft-only round's tokens, counted in `draft_only_tokens` as kept (a stop may end it)."""
         max_tokens = self.request.sampling.max_tokens
         pieces, emitted, finish = [], [], None  # pieces[i]: the text released with emitted[i]
         for tok in tokens:
@@ -214,6 +215,8 @@ class Row:
         if finish == "length" or (finish == "stop" and emitted[-1] in self.stop_ids):
             # Not ended by a stop string: release any held-back text (and incomplete bytes).
             pieces[-1] += self.stopper.feed(self.detok.flush())[0] + self.stopper.flush()
+        if draft_only:
+            self.stats.draft_only_tokens += len(emitted)
         chunk = GenerationChunk("".join(pieces), emitted, self.prompt_len, self.completion, finish)
         if self.request.trace:
             chunk.provenance = self._provenance(pieces)
