@@ -17,6 +17,11 @@ ends without finish or [DONE]), "unhealthy" (/health 503), "plain" (not speculat
 counters). `set_reachable(False)` closes the listening socket (connection refused) and
 `set_reachable(True)` reopens it on the same port.
 `/server_info` returns `server_info` (SGLang's resolved-arguments dict, trimmed).
+
+Log-probs (`return_logprob`, `top_logprobs_num` k): `meta_info` gets SGLang's cumulative
+`output_token_logprobs` (`[logprob, token_id, null]` per output token: `return_text_in_logprobs` is
+off) and, for k > 0, `output_top_logprobs` (k entries per token, the emitted one first; with k >= 3
+the last is a masked token, whose −inf orjson writes as null). Values: `fake_logprob(i)`.
 """
 
 from __future__ import annotations
@@ -36,6 +41,29 @@ N_DRAFT = 4
 # Token texts: one multi-byte character is split across two tokens to exercise U+FFFD holding.
 PIECES = ["Hello", " wor", "ld", " \ufffd", "日", "本", "!", " more", " text", " here"]
 TEXTS = ["Hello", " wor", "ld", " ", "日", "本", "!", " more", " text", " here"]
+
+
+def fake_logprob(position: int, rank: int = 0) -> float:
+    """The fake's log-prob of the `rank`-th most likely token at output `position` (rank 0: the
+    emitted token)."""
+    return -0.125 * (position % 4) - 0.5 * rank
+
+
+def fake_logprob_meta(body: dict, ids: list[int]) -> dict:
+    """What SGLang adds to `meta_info` for a `return_logprob` request with output `ids` so far."""
+    if not body.get("return_logprob"):
+        return {}
+    k = int(body.get("top_logprobs_num") or 0)
+    meta = {"output_token_logprobs": [[fake_logprob(i), t, None] for i, t in enumerate(ids)]}
+    if k:
+        tops = []
+        for i, t in enumerate(ids):
+            top = [[fake_logprob(i), t]] + [[fake_logprob(i, r), 3 + r] for r in range(1, k)]
+            if k >= 3:
+                top[-1][0] = None  # a masked token: −inf, which orjson writes as null
+            tops.append([[lp, tid, None] for lp, tid in top])
+        meta["output_top_logprobs"] = tops
+    return meta
 
 
 class FakeRuntime:
@@ -74,6 +102,7 @@ class FakeRuntime:
             "completion_tokens": n_out,
             "cached_tokens": 0,
         }
+        meta.update(fake_logprob_meta(body, self._ids(n_out)))
         if n_out and self.behavior != "plain":
             meta.update(
                 spec_accept_rate=correct / proposed,
@@ -97,7 +126,11 @@ class FakeRuntime:
             if i == n:
                 text = "".join(texts[:i])
                 finish = {"type": "length", "length": i} if n == max_new else {"type": "stop", "matched": 2}
-            yield text, [100 + j % len(PIECES) for j in range(i)], finish
+            yield text, self._ids(i), finish
+
+    @staticmethod
+    def _ids(n: int) -> list[int]:
+        return [100 + j % len(PIECES) for j in range(n)]
 
     def _make_app(self) -> FastAPI:
         app = FastAPI()

@@ -6,7 +6,7 @@ target and the draft over prompt + output (`transformers`' own Llama, not the en
 through the row's sampling transform, mixed with the w the token's provenance reports (None: drawn
 from p; 0 in draft-only rounds: q). So at quality 1 the values are the target's log-probs, at
 quality 0 the draft's, in between ν's. API level: the OpenAI SDK parses both shapes, streamed and
-not; misuse and backends without log-probs get a 400 naming the field.
+not; misuse gets a 400 naming the field (the SGLang backend: tests/test_sglang_client_logprobs.py).
 
 Tolerance: the engine and HF run the same float32 math in different kernels (fused q/k/v,
 interleaved RoPE); their logits agree to ~1e-5 here, so log-probs (a log-softmax, error at most
@@ -17,8 +17,6 @@ both sides.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
 
 import httpx
 import openai
@@ -28,7 +26,6 @@ import torch
 from server.engine.protocol import LOGPROB_FLOOR, EngineError, GenerationRequest, SamplingOptions
 from server.gateway.app import create_app
 from server.gateway.settings import GatewaySettings
-from tests.fake_sglang import sglang_gateway
 from tests.scripted_engine import live_server
 from tests.tiny_pair import fixed_and_adaptive
 from verifier import logits_to_probs
@@ -235,24 +232,3 @@ def test_misuse_is_a_400_naming_the_field(client):
     for path, body, param in cases:
         r = httpx.post(f"{url}/v1/{path.replace('chat', 'chat/completions')}", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
-
-
-def test_sglang_backend_refuses_logprobs(tiny_pair):
-    """No per-token law from the SGLang client yet: a 400, never log-probs silently dropped."""
-    chat = {"model": "gpu-pair", "messages": MSG, "max_tokens": 4}
-    bodies = [
-        ("chat/completions", {**chat, "logprobs": True}),
-        ("completions", {"model": "gpu-pair", "prompt": "a", "max_tokens": 4, "logprobs": 0}),
-    ]
-    with sglang_gateway(tiny_pair[0]) as (engine, srv, runtime):
-        assert engine.info.token_logprobs is False
-        sent = len(runtime.requests)  # (the readiness probe's)
-        for (path, body), stream in itertools.product(bodies, (False, True)):
-            r = httpx.post(f"{srv.url}/v1/{path}", json={**body, "stream": stream}, timeout=30)
-            err = r.json()["error"]
-            assert r.status_code == 400 and err["param"] == "logprobs", r.text
-            assert err["code"] == "logprobs_unsupported" and "sglang" in err["message"]
-        assert len(runtime.requests) == sent  # refused before the runtime saw anything
-        r = httpx.post(srv.url + "/v1/chat/completions", json={**chat, "logprobs": False}, timeout=30)
-        assert r.status_code == 200 and len(runtime.requests) == sent + 1
-        assert json.loads(r.text)["choices"][0]["logprobs"] is None

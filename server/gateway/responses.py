@@ -82,7 +82,8 @@ class TraceToken(BaseModel):
 _LOGPROB_DOC = (
     "log-probability of the token under the law it was drawn from (ν at its position; p where the "
     "target alone drew it; q in draft-only rounds), after the sampling transform; -9999.0 where that "
-    "law gives it no mass"
+    "law gives it no mass. SGLang backend: before top-k/top-p, and p at a round's bonus (the request's "
+    "`logprobs` field says more)"
 )
 
 

@@ -252,7 +252,10 @@ LOGPROBS_DOC = (
     "(so the target's p at quality 1, the draft's q at quality 0), or p where the token came from the "
     "target alone (rounds without drafts; autoregressive mode). After temperature, top-k and top-p "
     "(tokens they exclude read -9999.0); at temperature 0, the law whose most likely token was taken. "
-    "Not for baseline verifiers; backends that cannot report it (SGLang) answer 400."
+    "Not for baseline verifiers. SGLang backend: SGLang's own log-probs as the dialspec plugin writes "
+    "them, log ν at drafted positions (accepted drafts, corrections) and log p at the others (the "
+    "bonus, the first token), with temperature but before top-k and top-p (SGLang's convention: with "
+    "top_k or top_p set they are not those of the law sampled)."
 )
 
 

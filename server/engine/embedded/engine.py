@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from server.engine.embedded.detokenize import TokenBytes
 from server.engine.embedded.dtype_choice import DTYPES, choose_dtype
 from server.engine.embedded.grammar import GrammarCache, GrammarError
 from server.engine.embedded.models import Models, WeightHead
@@ -43,6 +42,7 @@ from server.engine.protocol import (
     check_sampling,
     logprobs_refusal,
 )
+from server.engine.token_bytes import TokenBytes
 from verifier.dial import DEFAULT_AUTO_DIAL, DialError
 
 

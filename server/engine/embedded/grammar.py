@@ -31,8 +31,8 @@ import time
 
 import torch
 
-from server.engine.embedded.detokenize import TokenBytes
 from server.engine.protocol import ResponseFormat
+from server.engine.token_bytes import TokenBytes
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 # UTF-8 lead bytes whose next byte has a narrower range than 80-BF (RFC 3629, section 4)

@@ -21,8 +21,10 @@ dropped): the ensemble rule only (the plugin patches SGLang's chain rejection sa
 no lossy/cascade/typical variants); one N per runtime (`--speculative-num-steps`), so a request
 may name only that N; the learned head only when the runtime was launched with one (`has_head`,
 the operator's statement, checked against the runtime's CUDA-graph settings at start); no
-log-probs yet (the plugin makes SGLang's `return_logprob` report log ν, docs/sglang.md, but this
-client does not ask for it or read it back, and none of it has run on a GPU). `response_format`
+log-probs through SGLang's own `return_logprob` / `top_logprobs_num` (output tokens only,
+`logprob_start_len` -1), read back from `meta_info` (`stream.logprobs_from_meta`): log ν at the
+verified positions and log p at the bonus, as the plugin writes them (docs/sglang.md, "Log-probs";
+not yet executed against a real runtime). `response_format`
 goes to SGLang's own `json_schema` sampling parameter (`{"type": "object"}` for `json_object`, as
 SGLang's OpenAI adapter sends it) at every quality: SGLang's grammar masks the target, and the
 plugin masks the draft's q with the same vocabulary mask before it forms ν (docs/sglang.md,
@@ -45,9 +47,16 @@ from typing import Any
 
 import httpx
 
-from server.engine.protocol import EngineError, EngineInfo, GenerationChunk, GenerationRequest
+from server.engine.protocol import (
+    EngineError,
+    EngineInfo,
+    GenerationChunk,
+    GenerationRequest,
+    logprobs_refusal,
+)
 from server.engine.sglang.readiness import NOT_PROBED, PROBE_PROMPT, ProbeConfig, run_probe
 from server.engine.sglang.stream import StreamState, error_message, kind_for_status, stats_from_meta
+from server.engine.token_bytes import TokenBytes
 from verifier.dial import PolicyKind
 
 __all__ = ["SGLangEngine", "sampling_params_for", "stats_from_meta", "unsupported_reason"]
@@ -84,8 +93,11 @@ def sampling_params_for(request: GenerationRequest) -> dict[str, Any]:
 def unsupported_reason(info: EngineInfo, request: GenerationRequest) -> str | None:
     """Why `request` asks for something the runtime described by `info` cannot do, or None
     (autoregressive requests are served as w = 1: exactly the target)."""
-    if request.logprobs is not None and not info.token_logprobs:
-        return "logprobs are not supported by the SGLang backend yet; remove logprobs from the request"
+    if request.logprobs is not None:
+        if not info.token_logprobs:
+            return "logprobs are not supported by this SGLang backend; remove logprobs from the request"
+        if (why := logprobs_refusal(request.logprobs, request.verify)) is not None:
+            return why
     if request.response_format is not None and not info.structured_output:
         return "response_format is not supported by the SGLang backend yet; remove it from the request"
     return info.unsupported(request.verify)
@@ -125,6 +137,7 @@ class SGLangEngine:
             policies=(PolicyKind.ENSEMBLE,),
             max_num_draft=None,  # one N per runtime (--speculative-num-steps)
             structured_output=True,  # SGLang's grammar on p, the plugin's mask on q
+            token_logprobs=True,  # SGLang's return_logprob: log ν as the plugin writes it (docs/sglang.md)
         )
         # read_timeout bounds the gap between two chunks (and the wait for the first one).
         self._timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
@@ -132,6 +145,7 @@ class SGLangEngine:
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._tokenizer = None
+        self._token_bytes: TokenBytes | None = None  # renders log-prob tokens (built on first use)
         self._running = 0
         self.probe = probe or ProbeConfig()
         self._not_ready: str | None = NOT_PROBED
@@ -238,6 +252,12 @@ class SGLangEngine:
             self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
         return self._tokenizer
 
+    @property
+    def token_bytes(self) -> TokenBytes:
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes
+
     def encode_prompt(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt))
 
@@ -264,8 +284,17 @@ class SGLangEngine:
             "stream": True,
             "rid": request.request_id,
         }
+        if request.logprobs is not None:
+            # SGLang's native names: output tokens only (-1: no prompt positions), their k most likely
+            # alternatives; the texts are rendered here from the token ids (`TokenBytes`).
+            body.update(return_logprob=True, top_logprobs_num=request.logprobs, logprob_start_len=-1)
         weight = 1.0 if request.verify.mode == "autoregressive" else request.verify.weight
-        state = StreamState(prompt_tokens=len(request.prompt_token_ids), weight=weight)
+        state = StreamState(
+            prompt_tokens=len(request.prompt_token_ids),
+            weight=weight,
+            logprobs=request.logprobs,
+            token_bytes=self.token_bytes if request.logprobs is not None else None,
+        )
         self._running += 1
         try:
             async with self._client.stream("POST", "/generate", json=body) as resp:

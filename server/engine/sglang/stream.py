@@ -3,15 +3,21 @@
 A streamed chunk carries the cumulative `text` and `output_ids` so far plus `meta_info`
 (`prompt_tokens`, `completion_tokens`, `finish_reason` as `{"type": "stop"|"length"|"abort", ...}`
 or null, and on speculative servers the `spec_*` counters); `StreamState` turns them into
-deltas. No torch import.
+deltas. Requests sent with `return_logprob` also get, cumulative like the ids,
+`output_token_logprobs` (one `[logprob, token_id, text]` per output token; `text` is null unless
+`return_text_in_logprobs`, and a −inf log-prob arrives as null: SGLang writes JSON with orjson) and,
+with `top_logprobs_num` k > 0, `output_top_logprobs` (per output token, its k most likely
+`[logprob, token_id, text]`, or null). No torch import.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
-from server.engine.protocol import EngineError, GenerationChunk, SpecStats
+from server.engine.protocol import LOGPROB_FLOOR, EngineError, GenerationChunk, SpecStats, TokenLogprob
+from server.engine.token_bytes import TokenBytes
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 # U+FFFD at the end of cumulative text is an incomplete multi-byte character being decoded;
@@ -36,6 +42,43 @@ def stats_from_meta(meta: dict[str, Any], weight: float) -> SpecStats:
         weight_count=proposed,
         verify_steps=rounds,
     )
+
+
+def _logprob_value(value) -> float:
+    """SGLang's log-prob as dialspec reports it: null (orjson's −inf) and anything below the floor
+    read LOGPROB_FLOOR, as on the embedded engine (JSON has no −inf)."""
+    if value is None or not math.isfinite(value):
+        if value is not None and value > 0:
+            raise EngineError(f"SGLang reported a log-probability of {value}", "internal")
+        return LOGPROB_FLOOR
+    return max(float(value), LOGPROB_FLOOR)
+
+
+def logprobs_from_meta(
+    meta: dict[str, Any], ids: list[int], start: int, top_k: int, token_bytes: TokenBytes
+) -> list[TokenLogprob]:
+    """`TokenLogprob`s of output tokens `ids[start:]` from SGLang's cumulative `meta_info` lists
+    (module doc), each with its law's `top_k` most likely tokens; texts and bytes from the pair's
+    tokenizer. A runtime that reports fewer entries than tokens, or another token, is an error:
+    never a log-prob silently attached to the wrong token."""
+    chosen = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    if len(chosen) < len(ids) or (top_k and len(tops) < len(ids)):
+        raise EngineError(
+            f"SGLang returned log-probs for {len(chosen)} of {len(ids)} output tokens "
+            f"({len(tops)} top-k lists)",
+            "internal",
+        )
+    out = []
+    for i in range(start, len(ids)):
+        value, token_id = chosen[i][0], chosen[i][1]
+        if token_id != ids[i]:
+            raise EngineError(f"SGLang's log-prob {i} is for token {token_id}, not {ids[i]}", "internal")
+        top = tuple(
+            TokenLogprob(*token_bytes(alt[1]), _logprob_value(alt[0])) for alt in (tops[i] or [])[:top_k]
+        ) if top_k else ()  # fmt: skip
+        out.append(TokenLogprob(*token_bytes(token_id), _logprob_value(value), top))
+    return out
 
 
 def error_message(body: bytes | str) -> str:
@@ -64,9 +107,19 @@ def kind_for_status(status: int) -> str:
 class StreamState:
     """Turns SGLang's cumulative chunks into dialspec's incremental ones."""
 
-    def __init__(self, prompt_tokens: int, weight: float):
+    def __init__(
+        self,
+        prompt_tokens: int,
+        weight: float,
+        logprobs: int | None = None,
+        token_bytes: TokenBytes | None = None,
+    ):
+        """`logprobs`: the request's alternatives per token (None: no log-probs asked);
+        `token_bytes` renders their tokens (needed with `logprobs`)."""
         self.prompt_tokens = prompt_tokens
         self.weight = weight
+        self.logprobs = logprobs
+        self.token_bytes = token_bytes
         self.text_sent = ""
         self.ids_sent = 0
         self.completion_tokens = 0
@@ -101,6 +154,9 @@ class StreamState:
         if len(visible) > len(self.text_sent):
             self.text_sent = visible
         delta_ids = ids[self.ids_sent :]
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = logprobs_from_meta(meta, ids, self.ids_sent, self.logprobs, self.token_bytes)
         self.ids_sent = max(self.ids_sent, len(ids))
         if not delta_text and not delta_ids and finish_type is None:
             return None
@@ -112,6 +168,7 @@ class StreamState:
             completion_tokens=self.completion_tokens,
             finish_reason=_FINISH.get(finish_type) if finish_type else None,
             stats=stats_from_meta(meta, self.weight) if finish_type else None,
+            logprobs=logprobs,
         )
 
     def abort_chunk(self) -> GenerationChunk:
