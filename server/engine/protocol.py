@@ -242,7 +242,8 @@ class EngineInfo:
     auto_dial: float = DEFAULT_AUTO_DIAL  # the loaded head's default dial point (quality "auto")
     adaptive_draft: bool = False  # N is chosen per request and round from measured costs
     # Filled when the engine starts (JSON-ready, for /ready or a debug endpoint): the dtype and
-    # how it was chosen, the draft-length mode, the measured cost model (ms per stage).
+    # how it was chosen, the draft-length mode, the measured cost model (ms per stage), the
+    # `system_fingerprint` and what it was made of.
     runtime: dict = field(default_factory=dict, compare=False, hash=False)
     # Optional limits a gateway publishes and checks before the engine sees a request:
     max_num_draft: int | None = None  # largest per-request N; None = num_draft (N is fixed)
@@ -257,6 +258,13 @@ class EngineInfo:
     structured_output: bool = False  # honours `GenerationRequest.response_format` at every quality
     # What this backend can do (a request asking for more is refused, never silently served as less):
     policies: tuple[PolicyKind, ...] = tuple(PolicyKind)  # rules Verification.policy may name
+
+    @property
+    def system_fingerprint(self) -> str | None:
+        """OpenAI's `system_fingerprint`, set when the engine starts (`runtime`): one id for what
+        decides a seeded request's output (the embedded engine's `fingerprint.py`). None: the
+        backend makes no such promise (SGLang)."""
+        return self.runtime.get("system_fingerprint")
 
     @property
     def num_draft_limit(self) -> int:

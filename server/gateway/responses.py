@@ -87,6 +87,14 @@ _LOGPROB_DOC = (
 )
 
 
+_FINGERPRINT_DOC = (
+    "what decides a seeded request's output on this deployment (engine, model pair and head, dtype, "
+    "device, CPU threads, torch, dialspec's code, the draft-length schedule): the same seed and the "
+    "same system_fingerprint give the same output, in float32 whatever the load and batch; in "
+    'bfloat16 the batch can change it (README, "Seeds"). null on the SGLang backend (no promise)'
+)
+
+
 class TopLogprob(BaseModel):
     token: str = Field(description="the token's text (U+FFFD where it ends inside a character)")
     logprob: float = Field(description=_LOGPROB_DOC)
@@ -127,6 +135,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = Field(None, description=_FINGERPRINT_DOC)
     choices: list[ChatChoice]
     usage: Usage
     dialspec: DialspecStats
@@ -145,6 +154,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = Field(None, description=_FINGERPRINT_DOC)
     choices: list[CompletionChoice]
     usage: Usage
     dialspec: DialspecStats
@@ -178,6 +188,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"]
     created: int
     model: str
+    system_fingerprint: str | None = Field(None, description=_FINGERPRINT_DOC)
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     dialspec: DialspecStats | DialspecQuality | None = Field(
@@ -192,6 +203,7 @@ class CompletionChunk(BaseModel):
     object: Literal["text_completion"]
     created: int
     model: str
+    system_fingerprint: str | None = Field(None, description=_FINGERPRINT_DOC)
     choices: list[CompletionChunkChoice]
     usage: Usage | None = None
     dialspec: DialspecStats | DialspecQuality | None = Field(

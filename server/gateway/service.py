@@ -256,7 +256,10 @@ class Gateway:
                 run.shutdown()
             if prep.stream:
                 first = await until_disconnect(request, run.next_event())
-                fmt = ChunkFormatter(kind, prep.request_id, prep.created, prep.model, prep.include_usage)
+                fmt = ChunkFormatter(
+                    kind, prep.request_id, prep.created, prep.model, prep.include_usage,
+                    self.engine.info.system_fingerprint,
+                )  # fmt: skip
                 response = ClosingEventSourceResponse(
                     sse_events(run, tracker, fmt, first),
                     on_close=cleanup,
@@ -268,7 +271,8 @@ class Gateway:
                 handed_off = True
                 return response
             await until_disconnect(request, self._collect(run, tracker))
-            return JSONResponse(self._body(prep, tracker), headers=headers)
+            body = self._body(prep, tracker, self.engine.info.system_fingerprint)
+            return JSONResponse(body, headers=headers)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
         except ServerShuttingDown:
@@ -287,7 +291,7 @@ class Gateway:
             tracker.on_chunk(index, chunk)
 
     @staticmethod
-    def _body(prep: Prepared, tracker: Tracker) -> dict:
+    def _body(prep: Prepared, tracker: Tracker, fingerprint: str | None) -> dict:
         if prep.kind == "chat":
             choices = [
                 {
@@ -314,6 +318,7 @@ class Gateway:
             "object": obj,
             "created": prep.created,
             "model": prep.model,
+            "system_fingerprint": fingerprint,
             "choices": choices,
             "usage": tracker.usage(),
             "dialspec": tracker.dialspec(),

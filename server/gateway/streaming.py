@@ -36,13 +36,22 @@ def _dump(obj: dict) -> str:
 class ChunkFormatter:
     """Builds the JSON payload of each SSE event for one request."""
 
-    def __init__(self, kind: str, request_id: str, created: int, model: str, include_usage: bool):
+    def __init__(
+        self,
+        kind: str,
+        request_id: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        system_fingerprint: str | None = None,
+    ):
         self.kind = kind  # "chat" or "completion"
         self.base = {
             "id": request_id,
             "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
             "created": created,
             "model": model,
+            "system_fingerprint": system_fingerprint,  # on every chunk, as OpenAI's
         }
         self.include_usage = include_usage
 

@@ -198,6 +198,7 @@ class EmbeddedEngine:
             return self._load_models(device, threads)
 
     def _load_models(self, device: torch.device, threads: int | None) -> Models:
+        from server.engine.embedded.fingerprint import system_fingerprint
         from server.engine.embedded.model.llama import load_model
         from server.engine.embedded.planner.cost_profile import load_or_profile
         from server.engine.embedded.planner.draft_planner import DraftPlanner
@@ -227,6 +228,7 @@ class EmbeddedEngine:
         )
         cost = load_or_profile(models, c.max_batch, c.max_num_draft, c.profile_budget_s, cache_dir)
         models.planner = DraftPlanner(cost, c.max_num_draft, max_batch=c.max_batch)
+        self.info.runtime.update(system_fingerprint(models, c, cost))  # before any round moves `cost`
         self.info.runtime.update(dtype=str(c.dtype).removeprefix("torch."), device=str(device))
         self.info.runtime["draft_length"] = "adaptive" if c.num_draft is None else c.num_draft
         if c.forced_tv is not None:  # a bench's timing engine: its output follows no law
