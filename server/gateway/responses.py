@@ -255,8 +255,8 @@ class ReadyResponse(BaseModel):
 class EngineRuntime(BaseModel):
     backend: str
     runtime: dict[str, Any] = Field(
-        description="dtype and how it was chosen, draft-length mode, live cost model (ms per stage); "
-        "{} from engines that report nothing"
+        description="dtype and how it was chosen, draft-length mode, live cost model (ms per stage), "
+        "system_fingerprint and what it digests (fingerprint_of); {} from engines that report nothing"
     )
 
 
