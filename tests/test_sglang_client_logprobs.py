@@ -91,6 +91,12 @@ def test_a_runtime_that_reports_too_few_or_other_tokens_is_an_error(render):
     with pytest.raises(EngineError, match="is for token 101, not 7") as other:
         logprobs_from_meta(meta, [100, 7, 102], 0, 1, render)
     assert short.value.kind == other.value.kind == "internal"
+    for bad in (float("nan"), float("inf"), "x"):
+        meta["output_token_logprobs"][0][0] = bad
+        with pytest.raises(EngineError, match="log-probability of"):
+            logprobs_from_meta(meta, [100, 101, 102], 0, 1, render)
+    meta["output_token_logprobs"][0][0] = float("-inf")  # Python's json writes -Infinity; read as null
+    assert logprobs_from_meta(meta, [100, 101, 102], 0, 1, render)[0].logprob == LOGPROB_FLOOR
 
 
 def test_chat_logprobs_parse_in_the_sdk_streamed_and_not(gateway):

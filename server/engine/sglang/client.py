@@ -20,11 +20,11 @@ Capabilities (declared in `info`, refused with EngineError('invalid_request') ra
 dropped): the ensemble rule only (the plugin patches SGLang's chain rejection sampler, which has
 no lossy/cascade/typical variants); one N per runtime (`--speculative-num-steps`), so a request
 may name only that N; the learned head only when the runtime was launched with one (`has_head`,
-the operator's statement, checked against the runtime's CUDA-graph settings at start); no
+the operator's statement, checked against the runtime's CUDA-graph settings at start);
 log-probs through SGLang's own `return_logprob` / `top_logprobs_num` (output tokens only,
 `logprob_start_len` -1), read back from `meta_info` (`stream.logprobs_from_meta`): log ν at the
-verified positions and log p at the bonus, as the plugin writes them (docs/sglang.md, "Log-probs";
-not yet executed against a real runtime). `response_format`
+verified positions and log p at the bonus and the first token, before top-k/top-p, as the plugin
+writes them (docs/sglang.md, "Log-probs"; not yet executed against a real runtime). `response_format`
 goes to SGLang's own `json_schema` sampling parameter (`{"type": "object"}` for `json_object`, as
 SGLang's OpenAI adapter sends it) at every quality: SGLang's grammar masks the target, and the
 plugin masks the draft's q with the same vocabulary mask before it forms ν (docs/sglang.md,

@@ -47,10 +47,10 @@ def stats_from_meta(meta: dict[str, Any], weight: float) -> SpecStats:
 def _logprob_value(value) -> float:
     """SGLang's log-prob as dialspec reports it: null (orjson's −inf) and anything below the floor
     read LOGPROB_FLOOR, as on the embedded engine (JSON has no −inf)."""
-    if value is None or not math.isfinite(value):
-        if value is not None and value > 0:
-            raise EngineError(f"SGLang reported a log-probability of {value}", "internal")
+    if value is None or value == -math.inf:
         return LOGPROB_FLOOR
+    if not isinstance(value, int | float) or math.isnan(value) or value == math.inf:
+        raise EngineError(f"SGLang reported a log-probability of {value!r}", "internal")
     return max(float(value), LOGPROB_FLOOR)
 
 
