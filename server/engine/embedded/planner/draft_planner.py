@@ -28,8 +28,8 @@ Terms (β and its estimates: `acceptance.py`; round times: `cost_model.py`)
               the tokens where drafting is a near miss, never where it is far off. It also
               re-times the draft where the profile overprices it.
     hold      a plan stands while the same rows run, for up to `REPLAN_EVERY` steps, unless a row
-              is due to explore: acceptance and costs move over many rounds, while a search each
-              step costs a few % of a plain round on a small pair.
+              is due to explore or near its end: acceptance and costs move over many rounds,
+              while a search each step costs a few % of a plain round on a small pair.
 
 Reproducible rows (`RowMode.reproducible`: seeded or greedy). A row's tokens are a function of its
 prompt, its own random stream and its sequence of N. The live plan reads measured costs (the
@@ -37,13 +37,7 @@ host's load), the batch, the pools; so a reproducible row is planned alone: its 
 the constant prior (`acceptance.py`) and the frozen start-up profile at one row, with no overheads.
 Its N sequence, and with it its output, is the same in any batch under any load.
 
-Why not randomness keyed by position, so that N could not change what is sampled? No such coupling
-exists for this rule: a drafted position's token is `x = F_q⁻¹(u)` kept if `u' < ν(x)/q(x)`, else a
-residual draw (a function of q as well as ν), while an undrafted one is drawn from ν or p with no
-q to couple to. A draft-invariant coupling exists (Gumbel-max on shared per-position noise), but
-it accepts with probability about (1 − TV)/(1 + TV) instead of the optimal 1 − w·TV the verifier
-is built on: a slower rule for every request, where planning alone costs only seeded rows some
-goodput.
+Why not randomness keyed by position instead: docs/algorithm.md ("Choosing N").
 """
 
 from __future__ import annotations
@@ -242,9 +236,10 @@ class DraftPlanner:
             if row.mode.adaptive and row.mode.reproducible:
                 self._plan_alone(row)
         free = [row for row in rows if _free(row)]
-        due = [row.estimate.plain_rounds >= EXPLORE_EVERY for row in free]
+        # a row due to explore, or near its end (its cap), is planned afresh
+        fresh = any(r.estimate.plain_rounds >= EXPLORE_EVERY or r.tokens_left <= self.max_n for r in free)
         ids = tuple(id(row) for row in rows)
-        if self._held is not None and self._held[0] == ids and self._held[1] > 0 and not any(due):
+        if self._held is not None and self._held[0] == ids and self._held[1] > 0 and not fresh:
             self._held = (ids, self._held[1] - 1)
             for row in free:
                 _counted(row, row.num_draft)
