@@ -99,9 +99,9 @@ def main() -> int:
     out = {
         "concurrency": args.concurrency,
         "rounds": t.rounds,
-        "round_ms": 1e3 * t.round_s / max(t.rounds, 1),
+        "round_ms": 1e3 * t.seconds.get("round", 0.0) / max(t.rounds, 1),
         "head_ms_per_round": 1e3 * _Clock.seconds / max(t.rounds, 1),
-        "head_share": _Clock.seconds / t.round_s if t.round_s else None,
+        "head_share": _Clock.seconds / t.seconds["round"] if t.seconds.get("round") else None,
         "head_calls": _Clock.calls,
     }
     print(json.dumps(out))

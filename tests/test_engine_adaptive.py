@@ -14,7 +14,6 @@ import pytest
 
 from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 from server.engine.embedded.planner.cost_model import CostModel
-from server.engine.embedded.planner.draft_length import catch_up_bucket
 from server.engine.embedded.row import RowMode
 from server.engine.protocol import GenerationRequest, SamplingOptions
 from verifier.dial import Verification
@@ -106,7 +105,7 @@ def test_quality_zero_decodes_from_the_draft_alone(engine):
     assert all(s.draft_only_tokens == 20 and s.verify_steps == s.draft_tokens == 0 for s in stats)
     assert all(s.mean_weight == 0.0 for s in stats)
     cost = models.planner.cost
-    assert any(kind == "draft_only" for kind, _, _ in cost.entries)  # learned from these rounds
+    assert cost.seen["draft_only"] > 0  # learned from these rounds
     predicted = models.planner.predict([_Row()], max_n)
     assert predicted[0] == pytest.approx(max_n * cost.time("draft_only", 1, 1) + cost.time("other", 1, 0))
 
@@ -134,9 +133,10 @@ def test_the_planner_learns_acceptance_and_costs_from_rounds(tiny_pair):
         before = planner.cost.updates
         _run(eng, weight=0.5, num_draft=2, n=2)
         assert planner.cost.updates > before
-        assert planner.agreement.count > 0  # TV samples from the drafted positions
-        steps = [e for (kind, _, _), e in planner.cost.entries.items() if kind == "step"]
-        assert steps and all(e.seconds >= 0 for e in steps)  # each step's time outside its rounds
+        assert planner.acceptance.tv_sums[1] > 0  # TV samples from the drafted positions
+        assert planner.acceptance.kinds  # the drafted positions' acceptance, pooled by kind
+        steps = planner.cost.overhead["step"]
+        assert steps and all(s >= 0 for s in steps.values())  # each step's time outside its rounds
         timers = eng.scheduler.timers
         assert timers.predicted_rounds == timers.rounds > 0
     finally:
@@ -147,8 +147,8 @@ def test_catch_ups_are_learned_apart_from_draft_steps(tiny_pair):
     """A w = 1 row feeds its prompt to the draft only when it first drafts (one forward over the
     prompt, in that round's draft phase). That forward is learned as a catch-up over its M tokens;
     the round's draft steps are learned without it. Catch-ups are slowed here by 200 ms each: a
-    draft step (< 1 ms here) learned with one in it would read > 10 ms even averaged over the
-    profile's and every later round's observations (~6 with 8 tokens at N = 2)."""
+    draft step (< 1 ms here) learned with one in it would read > 10 ms even averaged over every
+    later round's observations (~6 with 8 tokens at N = 2)."""
     eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=1, max_context=96, profile_budget_s=0.3))
     eng.start_sync()
     try:
@@ -166,7 +166,8 @@ def test_catch_ups_are_learned_apart_from_draft_steps(tiny_pair):
         _run(eng, weight=1.0, n=1, max_tokens=8)
         cost = models.planner.cost
         # seq = prompt + the prefill's token, draft cache empty: all but the last pending are read
-        assert cost.entries[("catch_up", catch_up_bucket(prompt), 1)].seconds >= 0.2
+        # its 0.2 s reading, moved since with the host's speed as the target's forwards read it
+        assert cost.seen["catch_up"] == 1 and cost.time("catch_up", prompt) >= 0.1
         assert cost.time("draft", 1, 1) < 0.01
     finally:
         models.planner.force = None

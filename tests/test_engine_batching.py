@@ -248,10 +248,10 @@ def test_a_head_pinned_at_the_top_of_the_dial_serves_d_1_as_sd_without_bonus_dra
         models.head = lambda *a, _h=models.head: calls.append(1) or _h(*a)  # counts its calls
         models.head.config = head.config
         sd_ids = asyncio.run(_collect(eng, sd))[0]
-        assert timers.bonus_steps == 0
+        assert timers.counts.get("bonus", 0) == 0
         top_ids = asyncio.run(_collect(eng, top))[0]
-        assert top_ids == sd_ids and timers.bonus_steps == 0 and not calls
+        assert top_ids == sd_ids and timers.counts.get("bonus", 0) == 0 and not calls
         asyncio.run(_collect(eng, below))
-        assert timers.bonus_steps > 0 and calls  # d < 1: the head, and q for the bonus from ν
+        assert timers.counts.get("bonus", 0) > 0 and calls  # d < 1: the head, and q for the bonus from ν
     finally:
         asyncio.run(eng.stop())

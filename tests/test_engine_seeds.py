@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
-from server.engine.embedded.planner.draft_length import AcceptanceEstimate, PairAgreement
-from server.engine.embedded.planner.draft_planner import DraftPlanner, RoundTable
+from server.engine.embedded.planner.acceptance import AcceptanceEstimate
+from server.engine.embedded.planner.draft_planner import DraftPlanner
 from server.engine.embedded.row import RowMode
 from server.engine.protocol import GenerationRequest, SamplingOptions
 from tests.tiny_pair import drafting_costs
@@ -117,16 +117,15 @@ def test_seeded_requests_are_the_same_alone_and_in_busy_batches_under_any_timing
 def _slowed(max_batch: int, max_n: int, kind: str, seconds):
     """`drafting_costs` with stage `kind` taking `seconds(t)`."""
     model = drafting_costs(max_batch, max_n)
-    for k, r, t in list(model.entries):
-        if k == kind:
-            model.set(k, r, t, seconds(t))
+    for r, t in list(model.points[kind]):
+        model.set(kind, r, t, seconds(t))
     return model
 
 
 def _time_live(planner: DraftPlanner, cost) -> None:
     """What a host under another load would have measured: the live model only (the start-up
     profile stays; `set_cost` would pin both)."""
-    planner.cost, planner.table = cost, RoundTable(cost, planner.table.max_batch, planner.max_n)
+    planner.cost = cost
 
 
 def _planned_row(weight: float, seed: bool):
@@ -142,8 +141,8 @@ def _planned_row(weight: float, seed: bool):
 
 
 def test_a_reproducible_rows_n_reads_only_its_own_history():
-    """Planned alone on the start-up profile: the batch, the live cost model, TV̂ and the
-    calibration move a free row's N and never a reproducible row's."""
+    """Planned alone on the start-up profile: the batch, the live cost model, TV̂ and its kind's
+    pooled acceptance move a free row's N and never a reproducible row's."""
     max_n = 6
     planner = DraftPlanner(drafting_costs(8, max_n), max_n)
 
@@ -160,10 +159,10 @@ def test_a_reproducible_rows_n_reads_only_its_own_history():
     free_in_batch = plan([free] + [_planned_row(1.0, False) for _ in range(7)])[0]
     assert free_in_batch != free_alone  # the batch moves a free row's N ...
     assert plan([seeded] + [_planned_row(1.0, False) for _ in range(7)])[0] == reference  # ... not this one's
-    planner.agreement = PairAgreement(prior_tv=planner.agreement.prior_tv, total=90.0, count=100.0)
-    planner.calibration.observe((PolicyKind.ENSEMBLE, 0.5), 0, 400, 0.9)
+    planner.acceptance.tv_sums = [90.0, 100.0]  # TV̂ 0.9
+    planner.acceptance.kinds[(PolicyKind.ENSEMBLE, 0.5)] = [0.0, 400.0]  # its kind accepts nothing
     _time_live(planner, _slowed(8, max_n, "draft", lambda t: 0.05))
-    assert plan([free])[0] == 0  # the host, TV̂ and the calibration all say: do not draft
+    assert plan([free])[0] == 0  # the host, TV̂ and its kind all say: do not draft
     assert plan([seeded])[0] == reference
     # its own evidence does move it
     seeded.estimate.observe([0.0] * 40)

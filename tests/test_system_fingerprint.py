@@ -89,6 +89,16 @@ def test_under_the_adaptive_n_the_start_up_profile_is_part_of_it(tiny_pair):
         asyncio.run(engine.stop())
 
 
+def test_under_the_adaptive_n_a_cached_profile_keeps_it_across_restarts(tiny_pair, tmp_path):
+    """With a cost cache (`make serve` keeps one), a restart loads the cached start-up shape as it
+    was measured (the live factors, not the shape, follow the host): the same fingerprint and the
+    same seeded tokens, under the adaptive N; without one, a restart profiles again."""
+    first, parts, out = _started(_config(tiny_pair, cache_dir=tmp_path), generate=True)
+    again, _, out_again = _started(_config(tiny_pair, cache_dir=tmp_path), generate=True)
+    assert parts["draft_length"] == "adaptive" and parts["profile"]
+    assert again == first and out_again == out
+
+
 @pytest.fixture(scope="module")
 def embedded_client(tiny_pair):
     engine = EmbeddedEngine(_config(tiny_pair, num_draft=3, served_name="tiny"))

@@ -28,7 +28,7 @@ from server.engine.embedded import logprobs
 from server.engine.embedded.models import Models
 from server.engine.embedded.round import RoundBatch, draft
 from server.engine.embedded.row import Row
-from server.engine.embedded.timers import StepTimers
+from server.engine.embedded.timers import Stage, StepTimers
 
 
 @torch.inference_mode()
@@ -39,9 +39,9 @@ def run_draft_only_round(models: Models, rows: list[Row], n: int, timers: StepTi
         raise ValueError(f"a draft-only round emits at least one token, got n={n}")
     dev = models.device
     last = timers.last = {}
-    with timers.phase("round", dev):
+    with timers.phase(Stage.ROUND, dev):
         batch = RoundBatch.of(rows, n, dev)
-        with timers.phase("draft", dev, count=n):
+        with timers.phase(Stage.DRAFT_ONLY, dev, count=n):
             drafts = draft(models, batch, last_mask=False)
         tokens = drafts.tokens.tolist()  # [R][n], one device read
         laws = logprobs.draft_only_laws(batch, drafts)
@@ -56,4 +56,4 @@ def run_draft_only_round(models: Models, rows: list[Row], n: int, timers: StepTi
     timers.row_rounds += len(rows)
     if models.planner is not None:
         models.planner.learn_draft_only(batch, last)
-    return last["round"]
+    return last[Stage.ROUND]

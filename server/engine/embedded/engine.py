@@ -227,8 +227,8 @@ class EmbeddedEngine:
             forced_tv=c.forced_tv,
         )
         cost = load_or_profile(models, c.max_batch, c.max_num_draft, c.profile_budget_s, cache_dir)
-        models.planner = DraftPlanner(cost, c.max_num_draft, max_batch=c.max_batch)
-        self.info.runtime.update(system_fingerprint(models, c, cost))  # before any round moves `cost`
+        models.planner = DraftPlanner(cost, c.max_num_draft)
+        self.info.runtime.update(system_fingerprint(models, c, cost))  # the shape seeded rows plan on
         self.info.runtime.update(dtype=str(c.dtype).removeprefix("torch."), device=str(device))
         self.info.runtime["draft_length"] = "adaptive" if c.num_draft is None else c.num_draft
         if c.forced_tv is not None:  # a bench's timing engine: its output follows no law
@@ -283,15 +283,6 @@ class EmbeddedEngine:
             self._stopping = True
             sched, self.scheduler = self.scheduler, None
             await asyncio.to_thread(sched.stop, EngineError("engine stopped", "unavailable"))
-            self._save_cost_model(sched)
-
-    def _save_cost_model(self, sched: Scheduler) -> None:
-        """Keep what the rounds taught the cost model for the next start (when caching)."""
-        if self.config.cache_dir is None or sched.models.planner is None:
-            return
-        from server.engine.embedded.planner.cost_profile import cache_key, cache_path, save
-
-        save(sched.models.planner.cost, cache_path(Path(self.config.cache_dir), cache_key(sched.models)))
 
     @property
     def fault(self) -> BaseException | None:

@@ -11,9 +11,10 @@ What goes in (`fingerprint_of`, published beside it in `EngineInfo.runtime`):
     the schedule     how N is chosen (pinned N, or adaptive up to `max_num_draft`), where undrafted
                      tokens are drawn from, the first token from the prefill or not; and with the
                      adaptive N, a digest of the start-up cost profile that seeded rows plan from
-                     (`planner/draft_planner.py`): a restart measures it again, or re-times a cached
-                     one, so an adaptive engine's fingerprint changes across restarts, as its seeded
-                     outputs may. A pinned N keeps it (and them) across restarts of the same config.
+                     (`planner/draft_planner.py`): a restart loads a cached one unchanged (same
+                     fingerprint, same seeded outputs), or measures it again without a cost cache
+                     (a new fingerprint, as its seeded outputs may move). A pinned N keeps it (and
+                     them) across restarts of the same config.
 
 Whether the same fingerprint also means the same output whatever the batch depends on the dtype:
 README, "Seeds" (float32 yes, as tested; bfloat16 no).
@@ -63,7 +64,7 @@ def system_fingerprint(models, config, profile) -> dict:
         "undrafted_from": "p" if config.p_when_undrafted else "nu",
         "first_token_from_prefill": config.first_token_from_prefill,
         "forced_tv": config.forced_tv,  # a bench's timing engine: its output follows no law
-        "profile": _digest(profile.to_dict()["entries"])[:16] if adaptive else None,
+        "profile": _digest(profile.to_dict()["points"])[:16] if adaptive else None,
     }
     parts = json.loads(json.dumps(parts, default=str))  # JSON-ready, as `runtime` is served
     return {"system_fingerprint": PREFIX + _digest(parts)[:12], "fingerprint_of": parts}

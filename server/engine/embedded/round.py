@@ -37,7 +37,7 @@ import torch
 from server.engine.embedded import forced, grammar, logprobs
 from server.engine.embedded.models import Models
 from server.engine.embedded.row import Row
-from server.engine.embedded.timers import StepTimers
+from server.engine.embedded.timers import Stage, StepTimers
 from verifier import PolicyBatch, PolicyKind, ensemble_mix, logits_to_probs, pick_tokens, tv_estimates, verify
 from verifier.head import position_stats, wants_states, wants_stats
 
@@ -375,26 +375,27 @@ def run_round(models: Models, rows: list[Row], n: int, timers: StepTimers) -> fl
     """One round for `rows` (all with num_draft == n); emits each row's accepted tokens and
     returns the round's seconds."""
     dev = models.device
-    last = timers.last = {}  # this round's phases (a reset from another thread cannot race it)
-    with timers.phase("round", dev):
+    last = timers.last = {}  # this round's stages (a reset from another thread cannot race it)
+    drafted = n > 0
+    with timers.phase(Stage.ROUND, dev, drafted=drafted):
         batch = RoundBatch.of(rows, n, dev)
-        with timers.phase("draft", dev, count=n):
+        with timers.phase(Stage.DRAFT, dev, count=n):
             drafts = draft(models, batch)
-        with timers.phase("verify_forward" if n else "target_forward", dev):
+        with timers.phase(Stage.SCORE, dev, drafted=drafted):
             scores = score(models, batch, drafts)
-        with timers.phase("verify_call", dev):
+        with timers.phase(Stage.CHECK, dev, drafted=drafted):
             weights, per_position = ensemble_weights(models, batch, drafts, scores)
             out = check(batch, drafts, scores, weights)
             if models.forced_tv is not None:
                 forced.force_acceptance(batch, drafts, scores, out, per_position, models.forced_tv)
         if any(row.mode.draws_nu for row in rows):
-            with timers.phase("bonus", dev, count=0):
+            with timers.phase(Stage.BONUS, dev, count=0):
                 bonus(models, batch, drafts, scores, out)
-            timers.bonus_steps += bool(out.bonus_rows)
+            timers.counts[Stage.BONUS] += bool(out.bonus_rows)
         attach_logprobs(batch, drafts, scores, out, per_position)
         advance(batch, out, per_position)
     timers.draft_tokens += n * len(rows)
     timers.row_rounds += len(rows)
     if models.planner is not None:
         models.planner.learn(batch, out, last)
-    return last["round"]
+    return last[Stage.ROUND]

@@ -24,7 +24,7 @@ import torch
 
 from server.engine.embedded.detokenize import IncrementalDetokenizer, StopStringFilter
 from server.engine.embedded.grammar import RowGrammar
-from server.engine.embedded.planner.draft_length import AcceptanceEstimate
+from server.engine.embedded.planner.acceptance import AcceptanceEstimate
 from server.engine.protocol import GenerationChunk, GenerationRequest, SpecStats, TokenLogprob, TokenTrace
 from server.engine.token_bytes import TokenBytes
 from verifier import Policy, PolicyKind

@@ -55,7 +55,7 @@ from server.engine.embedded.models import Models
 from server.engine.embedded.prefill import prefill
 from server.engine.embedded.round import run_round
 from server.engine.embedded.row import Row
-from server.engine.embedded.timers import StepTimers
+from server.engine.embedded.timers import Stage, StepTimers
 from server.engine.protocol import EngineError
 
 log = logging.getLogger("dialspec.engine")
@@ -174,14 +174,14 @@ class Scheduler:
         new = self._admit()
         t_prefill = time.perf_counter()
         if new:
-            with self.timers.phase("prefill", self.models.device):
+            with self.timers.phase(Stage.PREFILL, self.models.device):
                 self._prefill(new)
         prefill_s = time.perf_counter() - t_prefill
         live = [row for row in self._running if not row.cancelled and not row.done]
         planner = self.models.planner
         planned = [(row, row.rounds, row.estimate.plain_rounds) for row in live]
         if planner is not None:
-            with self.timers.phase("plan", self.models.device):
+            with self.timers.phase(Stage.PLAN, self.models.device):
                 planner.assign(live)
         groups: dict[tuple[bool, int], list[Row]] = {}
         for row in live:

@@ -50,12 +50,12 @@ def engine_row(method, c, tokens, seconds, stats, timers, ar: BenchRow | None, *
     """A row from one engine run: speeds, acceptance, and the cost model's predictions."""
     row = BenchRow(method, c, tokens, seconds, tokens / seconds, **fields)
     row.decode_tokens_per_s = tokens / max(seconds - timers["prefill_s"], 1e-12)
-    rounds = max(timers["rounds"], 1)
-    row.verify_fraction = timers["verify_call_s"] / max(timers["round_s"], 1e-12)
+    rounds = max(timers["round_count"], 1)
+    row.verify_fraction = timers["check_s"] / max(timers["round_s"], 1e-12)
     row.mean_n = timers["draft_tokens"] / max(timers["row_rounds"], 1)
     measured = timers["measured_predicted_round_s"]
-    if timers["plans"]:
-        row.plan_ms = 1e3 * timers["plan_s"] / timers["plans"]
+    if timers["plan_count"]:
+        row.plan_ms = 1e3 * timers["plan_s"] / timers["plan_count"]
     if timers.get("grammar_masks"):
         row.grammar_ms = 1e3 * timers["grammar_s"] / rounds
     if measured > 0:
@@ -68,9 +68,9 @@ def engine_row(method, c, tokens, seconds, stats, timers, ar: BenchRow | None, *
         accepted = sum(s.accepted_tokens for s in stats)
         row.acceptance_rate = accepted / proposed
         row.mean_accepted_length = 1 + accepted / drafts
-        row.t_draft_ms = 1e3 * timers["draft_s"] / max(timers["draft_forwards"], 1)
-        spec_rounds = max(timers["verify_forwards"], 1)
-        row.t_verify_ms = 1e3 * (timers["verify_forward_s"] + timers["verify_call_s"]) / spec_rounds
+        row.t_draft_ms = 1e3 * timers["draft_s"] / max(timers["draft_count"], 1)
+        spec_rounds = max(timers["drafted_rounds"], 1)
+        row.t_verify_ms = 1e3 * (timers["drafted_score_s"] + timers["drafted_check_s"]) / spec_rounds
     if timers["predicted_round_s"] > 0:
         row.predicted_tokens_per_s = tokens / timers["predicted_round_s"]
     if ar is None:  # this is the AR row
@@ -230,18 +230,16 @@ def _cost_table(cost: dict) -> list[str]:
         return []
     ts = len(next(iter(cost["target_ms"].values())))
     head = " | ".join(f"T={t}" for t in range(1, ts + 1))
+    live = f", speed {cost['speed']}x the profile" if "speed" in cost else ""
     lines = [
-        f"\n## Cost model ({cost['meta'].get('source', '?')}, ms per stage)\n",
-        f"| R | target forward {head} | draft step | first draft step | check (N=0) | other |",
-        "|---|" + "---|" * (ts + 4),
+        f"\n## Cost model ({cost['meta'].get('source', '?')}{live}, ms per stage)\n",
+        f"| R | target forward {head} | draft step | check (N=0) | other |",
+        "|---|" + "---|" * (ts + 3),
     ]
     for r, values in cost["target_ms"].items():
         cells = " | ".join(f"{v:.2f}" for v in values)
-        first = cost.get("first_draft_step_ms", {}).get(r)  # absent from reports before it existed
-        lines.append(
-            f"| {r} | {cells} | {cost['draft_step_ms'][r]:.2f} | {'–' if first is None else f'{first:.2f}'} "
-            f"| {cost['check_ms'][r][0]:.2f} | {cost['other_ms'][r]:.2f} |"
-        )
+        draft, check, other = cost["draft_step_ms"][r], cost["check_ms"][r][0], cost["other_ms"][r]
+        lines.append(f"| {r} | {cells} | {draft:.2f} | {check:.2f} | {other:.2f} |")
     return lines
 
 

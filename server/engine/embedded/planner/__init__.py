@@ -1,7 +1,7 @@
 """The draft length N per row and round, and the measured cost model it is chosen on.
 
-draft_length.py   the policy: goodput-optimal N (0 included) from acceptance and round costs.
-draft_planner.py  the engine's side of it: rows to choices, exploration, learning from rounds.
-cost_model.py     measured seconds per round stage; their online refinement.
-cost_profile.py   the cost model's start-up profile, re-timing of a cached model, its cache.
+draft_planner.py  the policy and the engine's side of it: goodput-optimal N (0 included) per row.
+acceptance.py     what it believes about acceptance: pooled per kind of row, a row's own evidence.
+cost_model.py     seconds per round stage: the start-up shape times live speed factors.
+cost_profile.py   the start-up shape: stages timed on dummy inputs, cached per pair and host.
 """

@@ -1,387 +1,330 @@
-"""The engine's side of the draft-length policy (`draft_length.py`, which defines the terms): each
-step it reads the rows into `RowChoice`s, asks `choose` for their draft lengths over a snapshot of
-the cost model (`RoundTable`), and after each round it learns acceptance, TV̂ and stage times.
+"""The draft length N of each row and round (0 included): the most expected tokens per second.
 
-Reproducible rows (`RowMode.reproducible`: a seed was given, or greedy). A row's tokens are a
-function of its prompt, its own random stream and its sequence of draft lengths: the same N
-sequence draws the same coins and makes the same verdicts. The live plan is not a function of the
-row alone: it reads measured stage times (the host's load), the batch it lands in (round times at
-R rows, the other rows' choices), TV̂ and the calibration, which every row moves. So a reproducible
-row is planned *alone*: from its own acceptance evidence, the prior TV̂ (`PairAgreement.prior_tv`,
-a constant), no calibration, and the start-up cost profile at one row (`profile_table`, built once
-and never updated); the joint search then takes its N as fixed. Its N sequence, and with it its
-output, is then the same whatever the load, the batch and the timings.
+Terms (β and its estimates: `acceptance.py`; round times: `cost_model.py`)
+    E(β, n)   tokens a round emits in expectation: 1 + β + … + β^n, n capped at the tokens the
+              request has left − 1 (drafts past its end are never emitted).
+    draws_nu  the row draws the tokens no draft proposed (the bonus, and at n = 0 its only token)
+              from ν (`RowMode.draws_nu`: strict rows with w < 1). That needs q after the last
+              proposal: one more draft step when all n drafts are accepted (probability β^n),
+              always at n = 0. Every other row draws them from p at no cost: w = 1 rows (ν = p),
+              baselines, and adaptive w < 1 rows unless the engine runs `--strict-nu` (p is the
+              higher-quality law). So at the same acceptance an adaptive lower quality costs what
+              a higher one costs, and it accepts more (prior 1 − w·TV̂): by construction a lower
+              quality is never slower, and no tier is slower than plain decoding (n = 0 is
+              always a choice). The bonus step is priced for exactly the rows that take it.
+    catch-up  a row whose draft is `lag` > 2 tokens behind (w = 1 rows feed the draft only when
+              they draft) first feeds them in one draft forward: its cost, spread over the rounds
+              the request has left, is charged to the choices that run the draft.
+    goodput   Σ_rows E(β_r, n_r) / (step(R) + Σ_groups [round(R_g, n_g, bonus_g) + catch-ups]):
+              one round per distinct n (the scheduler groups rows by n), and the scheduler's
+              time outside rounds once a step (rounds that emit more spread it thinner).
+    choose    argmax of goodput over one n per class of identical rows: the best common n, then
+              the best move of one class at a time while one gains (moving one tier to its own
+              round can pay only once another has left the shared one); drafting only if that
+              beats n = 0 by `MARGIN` (predictions err, and n = 0 is the safe side).
+    explore   a row learns acceptance only from rounds that draft. One planned at n = 0 for
+              `EXPLORE_EVERY` rounds drafts for one round if that is predicted to lose at most
+              `EXPLORE_LOSS` of the step's goodput (its catch-up counted whole): at most ~1 % of
+              the tokens where drafting is a near miss, never where it is far off. It also
+              re-times the draft where the profile overprices it.
+    hold      a plan stands while the same rows run, for up to `REPLAN_EVERY` steps, unless a row
+              is due to explore or near its end: acceptance and costs move over many rounds,
+              while a search each step costs a few % of a plain round on a small pair.
 
-Why not randomness keyed by output position, so that N could not change what is sampled? Because
-no such coupling exists for this rule. A drafted position's token is the speculative outcome
-`x = F_q⁻¹(u)`, kept if `u' < ν(x)/q(x)`, else a residual draw: a function of q as well as ν; an
-undrafted one (an N = 0 round's token, a bonus) is drawn from ν (or from p, the default for adaptive
-w < 1 rows: `RowMode.draws_nu`) with no q to couple to. For both to give the same token from the
-same position-keyed uniforms, the undrafted draw would have to run the draft (a draft step per
-undrafted token, the cost N = 0 rounds exist to avoid) and draw from ν, not p. A draft-invariant
-coupling does exist (Gumbel-max on shared per-position noise: draft `argmax(log q + G)`, output
-`argmax(log ν + G)`), but it accepts with probability about (1 − TV)/(1 + TV) instead of the optimal
-1 − w·TV the planner, the DIVERSED analysis and the verifier are built on: a slower rule for every
-request. Planning alone costs only the seeded rows some joint-search goodput.
+Reproducible rows (`RowMode.reproducible`: seeded or greedy). A row's tokens are a function of its
+prompt, its own random stream and its sequence of N. The live plan reads measured costs (the
+host's load), the batch, the pools; so a reproducible row is planned alone: its own evidence over
+the constant prior (`acceptance.py`) and the frozen start-up profile at one row, with no overheads.
+Its N sequence, and with it its output, is the same in any batch under any load.
+
+Why not randomness keyed by position instead: docs/algorithm.md ("Choosing N").
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Sequence
-from typing import Protocol
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
-from server.engine.embedded.planner.draft_length import (
-    EXPLORE_AFTER,
-    MARGIN,
-    AcceptanceCalibration,
-    AcceptanceEstimate,
-    PairAgreement,
-    RowChoice,
-    beta_grid,
-    bonus_steps,
-    catch_up_bucket,
-    catch_up_size,
-    choose,
-    expected_tokens,
-    explore,
-    log_grid,
-)
+from server.engine.embedded.planner.acceptance import AcceptanceEstimate, AcceptancePool
+from server.engine.embedded.planner.cost_model import CostModel, Stage
 from verifier import Policy
-from verifier.dial import PolicyKind
+from verifier.theory import expected_accepted_length_constant
+
+MARGIN = 0.03
+EXPLORE_EVERY = 8
+EXPLORE_LOSS = 0.1
+REPLAN_EVERY = 4
+BETA_STEP = 0.05  # β on a grid, so that the rows of a tier form one class for the search
+
+RoundTime = Callable[[int, int, float], float]  # (rows, n, expected bonus steps) -> seconds
 
 
 class PlannedMode(Protocol):
-    """What the planner reads of a row's `row.RowMode`."""
-
-    @property
-    def adaptive(self) -> bool: ...
-    @property
-    def draft_only(self) -> bool: ...
-    @property
-    def draws_nu(self) -> bool: ...
-    @property
-    def reproducible(self) -> bool: ...
+    adaptive: bool
+    draft_only: bool
+    draws_nu: bool
+    reproducible: bool
 
 
 class PlannedRow(Protocol):
-    """What the planner reads of a `row.Row` (it sits below rows and cannot import them), and
-    `num_draft`, the one field it writes."""
+    """What the planner reads of a `row.Row` (it sits below rows), and `num_draft`, which it sets."""
 
     num_draft: int
     mode: PlannedMode
     estimate: AcceptanceEstimate
     policy: Policy
-
-    @property
-    def prior_weight(self) -> float: ...
-    @property
-    def draft_lag(self) -> int: ...
-    @property
-    def tokens_left(self) -> int: ...
+    prior_weight: float
+    draft_lag: int
+    tokens_left: int
 
 
-class RoundTable:
-    """`round_time` from a dense snapshot of a cost model (rows 1..max_batch, n 0..max_n): the
-    search asks for hundreds of round times a step. The planner's predictions read it too: every
-    observation invalidates its kind's fit in the live model, and refitting on each read cost 7
-    fits and ~1.1 ms a step at 8 rows of the embedded pair, against rounds of ~12 ms. A rebuild
-    (which also drops the cached plans) comes after `every` model updates (about 5 a round), or
-    after `max_age` seconds once the model has changed at all: on a real-size pair a round takes
-    0.2-3 s and a bench row runs ~8 of them, so an update count alone left predictions a whole
-    row behind (Qwen2.5 shapes: round-time errors up to 16.6 % against 9.9 % before), while a
-    rebuild costs ~3 ms there as here."""
+class RowChoice(NamedTuple):
+    beta: float
+    draws_nu: bool = False  # the bonus (at n = 0 the token) from ν: a draft step
+    fixed: int | None = None  # an N the search does not choose (per request, or planned alone)
+    catchup: float = 0.0  # seconds per round charged when the draft runs for this row
+    cap: int | None = None  # drafts past this many cannot be emitted (tokens left − 1)
 
-    def __init__(self, cost, max_batch: int, max_n: int, every: int = 64, max_age: float = 0.5):
-        self.cost, self.max_batch, self.max_n, self.every = cost, max_batch, max_n, every
-        self.max_age = max_age
-        self.epoch = -1  # rebuilds so far; plans are cached per epoch
-        self.built_at, self.built_time = -1, -math.inf  # the model's updates and the clock then
-        self._catch_up: dict[int, float] = {}
-        self._rows: dict[int, tuple[list[float], float, float]] = {}
 
-    def refresh(self) -> None:
-        c = self.cost
-        fresh = c.updates - self.built_at
-        young = not fresh or time.perf_counter() - self.built_time < self.max_age
-        if self.built_at >= 0 and fresh < self.every and young:
-            return
-        self.epoch += 1
-        self.built_at, self.built_time = c.updates, time.perf_counter()
-        # Filled per batch size on first use: a step of one row reads one of max_batch lines, and
-        # a full rebuild every ~16 rounds cost ~30 µs a step, 3 % of the embedded pair's plain step
-        # on a fast host.
-        self._rows = {}
-        self._catch_up = {}
+def expected_tokens(beta: float, n: int) -> float:
+    """E(β, n): the accepted drafts plus the one correction or bonus token."""
+    return 1.0 + expected_accepted_length_constant(min(max(beta, 0.0), 1.0), n)
 
-    def _row(self, r: int) -> tuple[list[float], float, float]:
-        """(round time for n = 0..max_n, a bonus step, the step's overhead) at r rows."""
-        line = self._rows.get(r)
-        if line is None:
-            c = self.cost
-            line = self._rows[r] = (
-                c.round_times(r, self.max_n),
-                c.time("first_draft", r, 1),  # a bonus step follows the target's forward
-                c.time("step", r, 0),
-            )
-        return line
+
+def bonus_steps(needy_betas: Sequence[float], n: int) -> float:
+    """Expected bonus draft steps of a round: P(some row that draws from ν accepts all n)."""
+    none = math.prod(1.0 - min(max(b, 0.0), 1.0) ** n for b in needy_betas)
+    return 1.0 - none if needy_betas else 0.0
+
+
+def catch_up_size(lags: Sequence[int]) -> int:
+    """M of the catch-up forward a drafting round runs for rows `lag` > 2 behind: one padded
+    forward over all but each row's last pending token (`round._feed_pending`)."""
+    behind = [lag for lag in lags if lag > 2]
+    return len(behind) * (max(behind) - 1) if behind else 0
+
+
+def _goodput(classes: Sequence[tuple[RowChoice, int]], ns, round_time: RoundTime, step: float) -> float:
+    groups: dict[int, list] = {}  # n -> [rows, P(no bonus step), any row draws ν, catch-up s]
+    tokens = 0.0
+    for (row, k), n in zip(classes, ns, strict=True):
+        g = groups.setdefault(n, [0, 1.0, False, 0.0])
+        g[0] += k
+        if row.draws_nu:
+            g[1] *= (1.0 - min(max(row.beta, 0.0), 1.0) ** n) ** k
+            g[2] = True
+        if n or row.draws_nu:
+            g[3] += k * row.catchup
+        tokens += k * expected_tokens(row.beta, n if row.cap is None else min(n, row.cap))
+    seconds = step + sum(
+        round_time(size, n, 1.0 - none if needy else 0.0) + catchup
+        for n, (size, none, needy, catchup) in groups.items()
+    )
+    return tokens / seconds if seconds > 0 else math.inf
+
+
+def goodput(rows: Sequence[RowChoice], ns, round_time: RoundTime, step: float = 0.0, extra: float = 0.0):
+    """Expected tokens per second of one step with draft lengths `ns`; `extra` seconds added."""
+    return _goodput([(r, 1) for r in rows], ns, round_time, step + extra)
+
+
+def choose(
+    rows: Sequence[RowChoice], round_time: RoundTime, max_n: int, step: float = 0.0, margin: float = MARGIN
+) -> list[int]:
+    """Draft lengths for `rows` maximising the step's goodput (module doc); fixed rows keep theirs."""
+    classes = list(Counter(rows).items())
+    fixed = [row.fixed for row, _ in classes]
+    base = [0 if f is None else f for f in fixed]
+    free = [c for c, f in enumerate(fixed) if f is None]
+    score = lambda ns: _goodput(classes, ns, round_time, step)  # noqa: E731
+    floor = score(base)
+    best, best_score = base, floor
+    for n in range(1, max_n + 1):
+        ns = [n if f is None else f for f in fixed]
+        if (s := score(ns)) > best_score:
+            best, best_score = ns, s
+    for _ in range(2 * len(free) if len(free) > 1 else 0):  # steepest ascent over one-class moves
+        moves = [[*best[:c], n, *best[c + 1 :]] for c in free for n in range(max_n + 1) if n != best[c]]
+        s, top = max((score(ns), ns) for ns in moves)
+        if s <= best_score * (1 + 1e-9):
+            break
+        best, best_score = top, s
+    plan = best if best_score >= floor * (1 + margin) else base
+    by_class = {row: n for (row, _), n in zip(classes, plan, strict=True)}
+    return [by_class[row] for row in rows]
+
+
+def explore(rows, plan, due, round_time, max_n: int, step=0.0, catch_up=0.0, max_loss=EXPLORE_LOSS):
+    """`plan` with the rows `due` drafting at their best common n, if its goodput with `catch_up`
+    seconds added is within `max_loss` of `plan`'s; else None."""
+    floor = goodput(rows, plan, round_time, step)
+    trials = [[n if d else k for d, k in zip(due, plan, strict=True)] for n in range(1, max_n + 1)]
+    rated = [(goodput(rows, t, round_time, step, catch_up), t) for t in trials]
+    score, best = max(rated, key=lambda st: st[0])
+    return best if score >= (1 - max_loss) * floor else None
+
+
+class _RoundTimes:
+    """A cost model's round times, read once per (rows, model) for one plan."""
+
+    def __init__(self, cost: CostModel, max_n: int):
+        self.cost, self.max_n, self.lines = cost, max_n, {}
 
     def __call__(self, r: int, n: int, bonus: float = 0.0) -> float:
-        if r > self.max_batch or n > self.max_n:
-            return self.cost.round_time(r, n, bonus)
-        base, bonus_step, _ = self._row(r)
-        return base[n] + bonus * bonus_step
-
-    def step(self, r: int) -> float:
-        """The scheduler's seconds outside rounds in a step of r running rows."""
-        return self._row(r)[2] if 1 <= r <= self.max_batch else self.cost.time("step", r, 0)
-
-    def catch_up(self, m: int) -> float:
-        """A lagging draft's catch-up forward over m tokens (read once per snapshot per m)."""
-        if m not in self._catch_up:
-            self._catch_up[m] = self.cost.time("catch_up", m, 1)
-        return self._catch_up[m]
-
-
-class DraftPlanner:
-    """The engine's side of the policy: sets `row.num_draft` for adaptive rows each step, learns
-    from each round (acceptance, TV̂, stage times into the cost model) and predicts round times.
-
-    Rows are read as `PlannedRow`s. Plans are cached per
-    batch signature (rounded β, draws_nu, fixed, catch-up per row; rows running) and cost-table
-    epoch, so steady batches do not re-run the search every step; a row planned at n = 0 for long
-    enough may draft for one round (`draft_length.explore`). `profile` is the
-    start-up cost model, kept unchanged to report how well it alone predicts rounds and to plan
-    reproducible rows from (module doc). `force` pins every adaptive row to one N (benchmarks
-    sweep fixed N with it, N = 0 included)."""
-
-    def __init__(self, cost, max_n: int, margin: float = MARGIN, max_batch: int = 8):
-        self.cost = cost
-        self.profile = cost.copy()
-        self.max_n = max_n
-        self.margin = margin
-        self.force: int | None = None
-        self.agreement = PairAgreement()
-        self.calibration = AcceptanceCalibration()
-        self.table = RoundTable(cost, max_batch, max_n)
-        self.profile_table = RoundTable(self.profile, max_batch, max_n)  # never changes: built once
-        self._plans: dict[tuple, list[int]] = {}
-        self._plain: tuple[tuple, int] | None = None  # (rows, epoch) of a step planned all at n = 0
-        self._choices: dict[int, RowChoice] = {}  # this step's, by row id (`predict` reads them)
-        self._planned: dict[int, tuple[float, tuple]] = {}  # this step's `_estimate`s, by row id
-        self._alone: dict[tuple[RowChoice, bool], int] = {}  # reproducible rows' plans
-
-    def set_cost(self, cost) -> None:
-        """Decide from another cost model from now on (tests and experiments pin one). It is then
-        the start-up profile too: reproducible rows plan from it."""
-        self.cost = cost
-        self.table = RoundTable(cost, self.table.max_batch, self.max_n)
-        self.profile = cost.copy()
-        self.profile_table = RoundTable(self.profile, self.table.max_batch, self.max_n)
-        self._plans.clear()
-        self._alone.clear()
-        self._plain = None
-
-    def _estimate(self, row: PlannedRow) -> tuple[float, tuple]:
-        """The row's acceptance estimate (uncalibrated) and its calibration key. Reproducible rows
-        read the prior TV̂, a constant, not the running one that every row moves."""
-        w = row.prior_weight if row.policy.kind == PolicyKind.ENSEMBLE else 1.0
-        tv = self.agreement.prior_tv if row.mode.reproducible else self.agreement.tv
-        return row.estimate.beta(1.0 - w * tv), (row.policy.kind, round(w, 2))
-
-    def row_choice(self, row: PlannedRow, alone: bool = False) -> RowChoice:
-        """What `choose` reads of the row. Reproducible rows: uncalibrated, catch-ups priced from
-        the start-up profile; for the batch's search they are fixed at the N they were planned at
-        alone (`_plan_alone`, which asks for its own choice with `alone`)."""
-        fixed = None if row.mode.adaptive and (alone or not row.mode.reproducible) else row.num_draft
-        alone = row.mode.reproducible
-        raw, key = self._estimate(row)
-        beta = min(raw * (1.0 if alone else self.calibration.factor(key)), 1.0)
-        catchup = 0.0
-        if row.draft_lag > 2:  # a forward over the lag, spread over the rounds left
-            table = self.profile_table if alone else self.table
-            rounds_left = max(1.0, row.tokens_left / expected_tokens(beta, max(self.max_n // 2, 1)))
-            catchup = log_grid(table.catch_up(row.draft_lag - 1) / rounds_left)
-        # Near its end a request cannot emit more than it has left; far from it, no cap, so that
-        # rows of one tier form one class for the search (β on a grid for the same reason).
-        cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
-        return RowChoice(beta_grid(beta), row.mode.draws_nu, fixed, catchup, cap)
-
-    def _plan_alone(self, row: PlannedRow) -> None:
-        """A reproducible row's N (module doc): `choose` and `explore` as for a batch of this row
-        alone, on the start-up profile. A function of the row's own history (its evidence, lag,
-        tokens left and plain rounds), so its N sequence is the same in any batch under any load."""
-        choice = self.row_choice(row, alone=True)
-        due = row.estimate.plain_rounds >= EXPLORE_AFTER
-        key = (choice, due)
-        n = self._alone.get(key)
-        if n is None:
-            table, step = self.profile_table, self.profile_table.step(1)
-            (n,) = choose([choice], table, self.max_n, self.margin, step)
-            if due and not n:
-                m = catch_up_size([row.draft_lag])
-                catch_up = table.catch_up(m) if m else 0.0
-                n = (explore([choice], [0], [True], table, self.max_n, step, catch_up) or [0])[0]
-            if len(self._alone) > 512:
-                self._alone.clear()
-            self._alone[key] = n
-        row.num_draft = n
-        # tried or not, an exploration's next look is EXPLORE_AFTER plain rounds away
-        row.estimate.plain_rounds = 0 if n or due else row.estimate.plain_rounds + 1
-
-    def assign(self, rows: Sequence[PlannedRow]) -> None:
-        running = len(rows)
-        self._choices, self._planned = {}, {}
-        draft_only = [row for row in rows if row.mode.draft_only]
-        for row in draft_only:  # the draft's own decoding (`draft_only.py`): no choice to make
-            row.num_draft = max(1, min(self.max_n, row.tokens_left))
-        if draft_only:
-            rows = [row for row in rows if not row.mode.draft_only]
-        if not any(row.mode.adaptive for row in rows):
-            return
-        if self.force is not None:
-            for row in rows:
-                if row.mode.adaptive:
-                    row.num_draft = self.force
-            return
-        for row in rows:
-            if row.mode.adaptive and row.mode.reproducible:
-                self._plan_alone(row)
-        if not any(_free(row) for row in rows):
-            return
-        self.table.refresh()
-        if self._still_plain(rows):
-            for row in rows:
-                if _free(row):
-                    row.num_draft = 0
-                    row.estimate.plain_rounds += 1
-            return
-        choices = [self.row_choice(row) for row in rows]
-        self._choices = {id(row): c for row, c in zip(rows, choices, strict=True)}
-        self._planned = {id(row): self._estimate(row) for row in rows if _free(row)}
-        key = (tuple(choices), running, self.table.epoch)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = choose(choices, self.table, self.max_n, self.margin, self.table.step(running))
-            if len(self._plans) > 512:
-                self._plans.clear()
-            self._plans[key] = plan
-        due = [
-            _free(r) and not n and r.estimate.plain_rounds >= EXPLORE_AFTER
-            for r, n in zip(rows, plan, strict=True)
-        ]
-        if any(due):  # see `explore` in draft_length.py
-            m = catch_up_size([row.draft_lag for row, d in zip(rows, due, strict=True) if d])
-            catch_up = self.table.catch_up(m) if m else 0.0
-            step = self.table.step(running)
-            plan = explore(choices, plan, due, self.table, self.max_n, step, catch_up) or plan
-            for row, d in zip(rows, due, strict=True):
-                if d:  # tried or not, the next look is EXPLORE_AFTER plain rounds away
-                    row.estimate.plain_rounds = 0
-        for row, n in zip(rows, plan, strict=True):
-            if _free(row):
-                row.num_draft = n
-                row.estimate.plain_rounds = 0 if n else row.estimate.plain_rounds + 1
-        plain = not any(plan) and not any(row.mode.draws_nu for row in rows)
-        self._plain = (tuple(rows), self.table.epoch) if plain else None
-
-    def _still_plain(self, rows: Sequence[PlannedRow]) -> bool:
-        """The last step planned these same rows, every one at n = 0, in this snapshot, and none
-        is due to explore: then n = 0 stands without a search. With no drafts no estimate, TV̂ or
-        calibration has moved; what does move, a lagging draft's catch-up (growing) and the
-        tokens left (shrinking), only makes drafting dearer. (Rows that would draw from ν at
-        n = 0 pay the catch-up there too, so they always search.) Choices and search at 8 plain rows
-        cost ~0.15 ms a step, 5-10 % of the embedded pair's plain round (2.2 ms) on a fast host."""
-        last = self._plain
-        return (
-            last is not None
-            and last[1] == self.table.epoch
-            and len(last[0]) == len(rows)
-            and all(a is b for a, b in zip(last[0], rows, strict=True))
-            and not any(_free(row) and row.estimate.plain_rounds >= EXPLORE_AFTER for row in rows)
-            and not any(row.num_draft for row in rows if not _free(row))  # reproducible ones may move
-        )
-
-    def predict(self, rows: Sequence[PlannedRow], n: int) -> tuple[float, float]:
-        """(live model, start-up profile) predictions of one round of `rows` at draft length n."""
-        if rows[0].mode.draft_only:  # n draft steps and the round's fixed part; no target, no check
-            r = len(rows)
-            return self.cost.draft_only_round_time(r, n), self.profile.draft_only_round_time(r, n)
-        self.table.refresh()
-        self.profile_table.refresh()
-        if n:
-            # the choices this step's plan was made from (an earlier round of the step may have
-            # moved TV̂ since, by one round's evidence: the plan's view is close, and it is free)
-            choices = [self._choices.get(id(row)) or self.row_choice(row) for row in rows]
-            bonus = bonus_steps([c.beta for c in choices if c.draws_nu], n)
-        else:  # a bonus step iff some row draws from ν (at n = 0 always): no estimates needed
-            bonus = float(any(row.mode.draws_nu for row in rows))
-        m = catch_up_size([row.draft_lag for row in rows]) if n else 0  # lagging rows catch up first
-        r = len(rows)
-        live = self.table(r, n, bonus) + (self.table.catch_up(m) if m else 0.0)
-        profile = self.profile_table(r, n, bonus) + (self.profile_table.catch_up(m) if m else 0.0)
-        return live, profile
-
-    def learn_step(self, running: int, seconds: float) -> None:
-        """After a scheduler step of `running` (> 0) rows: its seconds outside rounds and prefills."""
-        self.cost.observe("step", running, 0, max(seconds, 0.0))
-
-    def learn_draft_only(self, batch, seconds: dict) -> None:
-        """After a draft-only round: its draft steps and the rest into the cost model."""
-        r, n = batch.size, batch.n
-        caught_up = self._learn_catch_ups(batch)
-        self.cost.observe("draft_only", r, 1, max(seconds["draft"] - caught_up, 0.0) / n)
-        self.cost.observe("other", r, 0, max(seconds["round"] - seconds["draft"], 0.0))
-
-    def _learn_catch_ups(self, batch) -> float:
-        """The round's catch-up forwards into the cost model (kind `catch_up`, by tokens M);
-        returns their seconds, which the phase that ran them (draft, or the bonus step at n = 0)
-        must not count as draft steps."""
-        for m, s in batch.catch_ups:
-            self.cost.observe("catch_up", catch_up_bucket(m), 1, s)
-        return sum(s for _, s in batch.catch_ups)
-
-    def learn(self, batch, out, seconds: dict) -> None:
-        """After a round: the rows' acceptance, the pair's TV̂, and the stage times."""
-        r, n, cost = batch.size, batch.n, self.cost
-        if n and self.force is None:  # the planner chose n for its adaptive rows: calibrate
-            for row, k, accept in zip(batch.rows, out.num_accepted, out.accept_probs, strict=True):
-                if _free(row):  # with what this round was planned with (the row has seen it since)
-                    raw, key = self._planned.get(id(row)) or self._estimate(row)
-                    self.calibration.observe(key, k, len(accept), raw)
-        for tv in out.tv:  # (each row's own acceptance evidence is its own: `round.advance`)
-            self.agreement.observe(tv)
-        forward = seconds.get("verify_forward" if n else "target_forward", 0.0)
-        caught_up = self._learn_catch_ups(batch)  # in the draft phase if n, else in the bonus step
-        if out.bonus_rows:  # a draft step right after the target's forward, timed alone
-            step = seconds["bonus"] - (0.0 if n else caught_up)
-            cost.observe("first_draft", len(out.bonus_rows), 1, max(step, 0.0))
-        if n:  # one first step, then n - 1 steps after draft steps
-            phase = max(seconds["draft"] - caught_up, 0.0)
-            if n == 1:
-                cost.observe("first_draft", r, 1, phase)
-            else:
-                # Split the phase between the two in the model's proportion: a host that
-                # speeds up or slows down moves both alike, while the first step's share is set by
-                # the rounds that time it alone (bonus steps, n = 1) and the profile. Subtracting
-                # the first step's estimate instead put all of a stale one's error on the later
-                # steps: (phase − f̂)/(n − 1) read 0.79 ms for a 1.65 ms step at n = 4 once the host
-                # had sped up, and moved the exact tier's choice of n with it.
-                # (read live: this is a feedback loop, and a snapshot's lag slowed its convergence)
-                first, later = cost.time("first_draft", r, 1), cost.time("draft", r, 1)
-                total = first + (n - 1) * later
-                if total > 0:
-                    cost.observe("first_draft", r, 1, first * phase / total)
-                    cost.observe("draft", r, 1, later * phase / total)
-                else:  # nothing learned yet: an even split
-                    cost.observe("draft", r, 1, phase / n)
-        cost.observe("score", r, n + 1, forward)
-        cost.observe("check", r, n, seconds["verify_call"])
-        staged = sum(v for k, v in seconds.items() if k != "round")
-        cost.observe("other", r, 0, max(seconds["round"] - staged, 0.0))
+        if r not in self.lines:
+            self.lines[r] = (self.cost.round_times(r, self.max_n), self.cost.time(Stage.DRAFT, r))
+        times, draft = self.lines[r]
+        return (times[n] if n <= self.max_n else self.cost.round_time(r, n)) + bonus * draft
 
 
 def _free(row: PlannedRow) -> bool:
     """An adaptive row the batch's search plans (reproducible rows are planned alone)."""
     return row.mode.adaptive and not row.mode.reproducible
+
+
+def _counted(row: PlannedRow, n: int, due: bool = False) -> None:
+    """Set N; an exploration's next look is `EXPLORE_EVERY` plain rounds away, tried or not."""
+    row.num_draft = n
+    row.estimate.plain_rounds = 0 if n or due else row.estimate.plain_rounds + 1
+
+
+class DraftPlanner:
+    """Sets `row.num_draft` for adaptive rows each step, learns from each round (acceptance into
+    the pools, stage times into the cost model) and predicts round times. `profile` is the frozen
+    start-up shape: reproducible rows are planned on it, and the bench reports how well it alone
+    predicts rounds. `force` pins every adaptive row to one N (benchmarks sweep N with it)."""
+
+    def __init__(self, cost: CostModel, max_n: int, margin: float = MARGIN):
+        self.max_n, self.margin = max_n, margin
+        self.force: int | None = None
+        self.acceptance = AcceptancePool()
+        self.set_cost(cost)
+
+    def set_cost(self, cost: CostModel) -> None:
+        """Plan from this cost model (tests pin one); its shape is the start-up profile too."""
+        self.cost, self.profile = cost, cost.frozen()
+        self._alone: dict[tuple, int] = {}
+        self._held: tuple[tuple[int, ...], int] | None = None
+
+    def row_choice(self, row: PlannedRow, alone: bool = False) -> RowChoice:
+        """What `choose` reads of a row; a reproducible row's N is fixed but when planned `alone`."""
+        reproducible = row.mode.reproducible
+        beta = self.acceptance.beta(row, alone=reproducible)
+        catchup = 0.0
+        if row.draft_lag > 2:  # a forward over the lag, spread over the rounds left (on a log grid)
+            model = self.profile if reproducible else self.cost
+            rounds_left = max(1.0, row.tokens_left / expected_tokens(beta, max(self.max_n // 2, 1)))
+            seconds = model.time(Stage.CATCH_UP, row.draft_lag - 1) / rounds_left
+            catchup = float(f"{2.0 ** (round(4 * math.log2(seconds)) / 4):.4g}") if seconds > 0 else 0.0
+        cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
+        fixed = None if row.mode.adaptive and (alone or not reproducible) else row.num_draft
+        beta = round(round(beta / BETA_STEP) * BETA_STEP, 4)
+        return RowChoice(beta, row.mode.draws_nu, fixed, catchup, cap)
+
+    def assign(self, rows: Sequence[PlannedRow]) -> None:
+        for row in rows:
+            if row.mode.draft_only:  # the draft's own decoding (`draft_only.py`): no choice to make
+                row.num_draft = max(1, min(self.max_n, row.tokens_left))
+        rows = [row for row in rows if not row.mode.draft_only]
+        if self.force is not None:
+            for row in rows:
+                row.num_draft = self.force if row.mode.adaptive else row.num_draft
+            return
+        for row in rows:
+            if row.mode.adaptive and row.mode.reproducible:
+                self._plan_alone(row)
+        free = [row for row in rows if _free(row)]
+        # a row due to explore, or near its end (its cap), is planned afresh
+        fresh = any(r.estimate.plain_rounds >= EXPLORE_EVERY or r.tokens_left <= self.max_n for r in free)
+        ids = tuple(id(row) for row in rows)
+        if self._held is not None and self._held[0] == ids and self._held[1] > 0 and not fresh:
+            self._held = (ids, self._held[1] - 1)
+            for row in free:
+                _counted(row, row.num_draft)
+            return
+        self._held = (ids, REPLAN_EVERY - 1) if free else None
+        if free:
+            self._plan(rows)
+
+    def _plan(self, rows: Sequence[PlannedRow]) -> None:
+        table, step = _RoundTimes(self.cost, self.max_n), self.cost.time(Stage.STEP, len(rows))
+        choices = [self.row_choice(row) for row in rows]
+        plan = choose(choices, table, self.max_n, step, self.margin)
+        due = [
+            _free(r) and not n and r.estimate.plain_rounds >= EXPLORE_EVERY
+            for r, n in zip(rows, plan, strict=True)
+        ]
+        if any(due):  # an exploring round is one round: not held
+            m = catch_up_size([row.draft_lag for row, d in zip(rows, due, strict=True) if d])
+            extra = self.cost.time(Stage.CATCH_UP, m) if m else 0.0
+            plan = explore(choices, plan, due, table, self.max_n, step, extra) or plan
+            self._held = None
+        for row, n, d in zip(rows, plan, due, strict=True):
+            if _free(row):
+                _counted(row, n, d)
+
+    def _plan_alone(self, row: PlannedRow) -> None:
+        """A reproducible row's N: `choose` (and `explore`) for it alone on the profile, a function
+        of its own history (evidence, lag, tokens left, plain rounds) only, memoised."""
+        choice, due = self.row_choice(row, alone=True), row.estimate.plain_rounds >= EXPLORE_EVERY
+        n = self._alone.get((choice, due))
+        if n is None:
+            table = _RoundTimes(self.profile, self.max_n)
+            (n,) = choose([choice], table, self.max_n, 0.0, self.margin)
+            if due and not n:
+                m = catch_up_size([row.draft_lag])
+                extra = self.profile.time(Stage.CATCH_UP, m) if m else 0.0
+                n = (explore([choice], [0], [True], table, self.max_n, 0.0, extra) or [0])[0]
+            if len(self._alone) > 4096:
+                self._alone.clear()
+            self._alone[(choice, due)] = n
+        _counted(row, n, due)
+
+    def predict(self, rows: Sequence[PlannedRow], n: int) -> tuple[float, float]:
+        """(live model, start-up profile) seconds of one round of `rows` at draft length n."""
+        r = len(rows)
+        if rows[0].mode.draft_only:  # n draft steps and the round's fixed part
+            return self.cost.draft_only_round_time(r, n), self.profile.draft_only_round_time(r, n)
+        needy = [self.acceptance.beta(row, row.mode.reproducible) for row in rows if row.mode.draws_nu]
+        bonus = bonus_steps(needy, n)
+        m = catch_up_size([row.draft_lag for row in rows]) if n else 0  # lagging rows catch up first
+        live, profile = (
+            model.round_time(r, n, bonus) + (model.time(Stage.CATCH_UP, m) if m else 0.0)
+            for model in (self.cost, self.profile)
+        )
+        return live, profile
+
+    def learn(self, batch, out, seconds: dict) -> None:
+        """After a round: acceptance and TV̂ into the pools, its stage times into the cost model."""
+        r, n, cost = batch.size, batch.n, self.cost
+        for row, accept, tv in zip(batch.rows, out.accept_probs, out.tv, strict=True):
+            self.acceptance.observe(row, accept, tv)
+        cost.observe(Stage.SCORE, r, n + 1, seconds[Stage.SCORE])  # first: the base of the others
+        caught_up = self._learn_catch_ups(batch)  # in the draft phase if n, else in the bonus step
+        if n:
+            cost.observe(Stage.DRAFT, r, 1, (seconds[Stage.DRAFT] - caught_up) / n)
+        if out.bonus_rows:
+            step = seconds[Stage.BONUS] - (0.0 if n else caught_up)
+            cost.observe(Stage.BONUS, len(out.bonus_rows), 1, step)
+        cost.observe(Stage.CHECK, r, n, seconds[Stage.CHECK])
+        self._learn_other(r, seconds)
+
+    def learn_draft_only(self, batch, seconds: dict) -> None:
+        caught_up = self._learn_catch_ups(batch)
+        self.cost.observe(Stage.DRAFT_ONLY, batch.size, 1, (seconds[Stage.DRAFT_ONLY] - caught_up) / batch.n)
+        self._learn_other(batch.size, seconds)
+
+    def learn_step(self, running: int, seconds: float) -> None:
+        """After a scheduler step of `running` (> 0) rows: its seconds outside rounds and prefills."""
+        self.cost.observe(Stage.STEP, running, 0, seconds)
+
+    def _learn_catch_ups(self, batch) -> float:
+        for m, s in batch.catch_ups:
+            self.cost.observe(Stage.CATCH_UP, m, 1, s)
+        return sum(s for _, s in batch.catch_ups)
+
+    def _learn_other(self, r: int, seconds: dict) -> None:
+        staged = sum(v for k, v in seconds.items() if k != Stage.ROUND)
+        self.cost.observe(Stage.OTHER, r, 0, seconds[Stage.ROUND] - staged)
