@@ -227,7 +227,7 @@ class EmbeddedEngine:
             forced_tv=c.forced_tv,
         )
         cost = load_or_profile(models, c.max_batch, c.max_num_draft, c.profile_budget_s, cache_dir)
-        models.planner = DraftPlanner(cost, c.max_num_draft)
+        models.planner = DraftPlanner(cost, c.max_num_draft, alone_batch=c.max_batch)
         self.info.runtime.update(system_fingerprint(models, c, cost))  # the shape seeded rows plan on
         self.info.runtime.update(dtype=str(c.dtype).removeprefix("torch."), device=str(device))
         self.info.runtime["draft_length"] = "adaptive" if c.num_draft is None else c.num_draft

@@ -63,6 +63,11 @@ def register(subparsers) -> None:
         help="every engine request follows a small JSON schema (the grammar's mask cost per round is "
         "reported as grammar_ms; HF baselines stay unconstrained)",
     )  # fmt: skip
+    p.add_argument(
+        "--unseeded", action="store_true",
+        help="engine requests without a seed (planned jointly with their batch, as most traffic is); "
+        "by default each is seeded, which gives every method the same draws and plans each row alone",
+    )  # fmt: skip
     p.add_argument("--no-hf", action="store_true", help="skip the HF baselines")
     p.add_argument("--no-hf-assisted", action="store_true", help="skip HF assisted generation (slow)")
     p.add_argument("--quick", action="store_true", help="smoke run: 8 tokens, 2 prompts, 1 trial")
@@ -165,7 +170,7 @@ def _main(args) -> int:
             max_num_draft=args.max_num_draft, temperature=args.temperature, include_hf=not args.no_hf,
             include_hf_assisted=not args.no_hf_assisted, device=str(device), dtype=args.dtype,
             max_seconds=args.max_seconds, cache_dir=args.cache_dir, length_spread=args.length_spread,
-            forced_tv=args.forced_tv, response_format=args.response_format,
+            forced_tv=args.forced_tv, response_format=args.response_format, seeded=not args.unseeded,
         )  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -262,7 +262,8 @@ def to_markdown(report: dict) -> str:
         f"max_tokens={m['max_tokens']} (mean, spread ±{m.get('length_spread', 0):.0%}), "
         f"temperature={m['temperature']}, device={m['device']} "
         f"({m.get('device_name', '')}), dtype={m['dtype']}, threads={m['torch_threads']}, "
-        f"prompts={m['prompts']} x waves={_waves(m)}, best of {m['trials']} trial(s)\n",
+        f"prompts={m['prompts']} x waves={_waves(m)}, best of {m['trials']} trial(s), "
+        f"{'seeded' if m.get('seeded', True) else 'unseeded'} requests\n",
     ]
     if bw:
         lines.append(

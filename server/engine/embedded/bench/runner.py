@@ -55,6 +55,7 @@ class BenchConfig:
     cache_dir: str | None = None  # cost models / dtype choices (None: measured afresh)
     forced_tv: float | None = None  # accept drafts with probability 1 − w·TV (`EmbeddedEngineConfig`)
     response_format: str | None = None  # "json": every engine request follows `workload.BENCH_SCHEMA`
+    seeded: bool = True  # seeded requests are planned alone (reproducible); unseeded ones jointly
 
     def output_format(self):
         """The engine requests' `response_format` (None: free text)."""
@@ -329,7 +330,7 @@ def _run_trials(
                     result = engine_run(
                         engine, prompt_ids, cfg.max_tokens, cfg.temperature, verify, c, cfg.waves_at(c),
                         on_request=best.request_done, spread=0.0 if method == UNIFORM else cfg.length_spread,
-                        response_format=fmt,
+                        response_format=fmt, seeded=cfg.seeded,
                     )  # fmt: skip
                     best.keep((method, c), result)
             planner.force = None
@@ -363,7 +364,9 @@ def _meta(cfg: BenchConfig, engine, measured: dict, skipped: list[str], wall_s: 
         },
         "stopped_early": f"{len(skipped)} runs skipped" if skipped else None, "skipped": skipped,
         "wall_s": round(wall_s, 1),
-        "protocol": "closed loop: c clients work through the same prompts x waves seeded requests "
+        "seeded": cfg.seeded,  # seeded rows are planned alone; unseeded ones with their batch
+        "protocol": "closed loop: c clients work through the same prompts x waves requests (seeded "
+        "unless `seeded` is false) "
         "at every c, lengths spread evenly over max_tokens x (1 ± length_spread); best of `trials` "
         "interleaved runs per row; EOS ignored; tok/s counts prompt prefills, decode tok/s and the "
         "speedups do not (the cost model predicts rounds)",

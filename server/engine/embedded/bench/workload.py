@@ -46,13 +46,14 @@ BENCH_SCHEMA = (
 
 def engine_run(
     engine, prompt_ids, max_tokens, temperature, verify, clients, waves=1, on_request=None, spread=0.0,
-    response_format=None,
+    response_format=None, seeded=True,
 ):  # fmt: skip
     """Closed loop: `clients` clients work through the same `len(prompt_ids) * waves` requests
-    (request i: prompt i mod P, seed i, `request_lengths(.., max_tokens, spread)[i]` tokens,
-    verification `verify`, output constraint `response_format`), each sending its next request when
-    one finishes. Returns (tokens,
-    seconds, per-request SpecStats, the scheduler's timers)."""
+    (request i: prompt i mod P, seed i if `seeded`, `request_lengths(.., max_tokens, spread)[i]`
+    tokens, verification `verify`, output constraint `response_format`), each sending its next
+    request when one finishes. Seeded requests give every method the same draws; unseeded ones
+    are what the planner plans jointly (seeded rows are planned alone: `planner/draft_planner.py`).
+    Returns (tokens, seconds, per-request SpecStats, the scheduler's timers)."""
     from server.engine.protocol import GenerationRequest, SamplingOptions
 
     done = threading.Semaphore(0)
@@ -70,7 +71,9 @@ def engine_run(
         return GenerationRequest(
             f"bench-{i}",
             tuple(prompt_ids[i % len(prompt_ids)]),
-            SamplingOptions(temperature=temperature, max_tokens=lengths[i], seed=i, ignore_eos=True),
+            SamplingOptions(
+                temperature=temperature, max_tokens=lengths[i], seed=i if seeded else None, ignore_eos=True
+            ),
             verify,
             response_format=response_format,
         )

@@ -34,7 +34,8 @@ Terms (β and its estimates: `acceptance.py`; round times: `cost_model.py`)
 Reproducible rows (`RowMode.reproducible`: seeded or greedy). A row's tokens are a function of its
 prompt, its own random stream and its sequence of N. The live plan reads measured costs (the
 host's load), the batch, the pools; so a reproducible row is planned alone: its own evidence over
-the constant prior (`acceptance.py`) and the frozen start-up profile at one row, with no overheads.
+the constant prior (`acceptance.py`) and the frozen start-up profile for a full batch of rows like
+it (the safe side: drafting pays less in a full batch), with no overheads.
 Its N sequence, and with it its output, is the same in any batch under any load.
 
 Why not randomness keyed by position instead: docs/algorithm.md ("Choosing N").
@@ -196,8 +197,8 @@ class DraftPlanner:
     start-up shape: reproducible rows are planned on it, and the bench reports how well it alone
     predicts rounds. `force` pins every adaptive row to one N (benchmarks sweep N with it)."""
 
-    def __init__(self, cost: CostModel, max_n: int, margin: float = MARGIN):
-        self.max_n, self.margin = max_n, margin
+    def __init__(self, cost: CostModel, max_n: int, margin: float = MARGIN, alone_batch: int = 1):
+        self.max_n, self.margin, self.alone_batch = max_n, margin, alone_batch
         self.force: int | None = None
         self.acceptance = AcceptancePool()
         self.set_cost(cost)
@@ -266,17 +267,21 @@ class DraftPlanner:
                 _counted(row, n, d)
 
     def _plan_alone(self, row: PlannedRow) -> None:
-        """A reproducible row's N: `choose` (and `explore`) for it alone on the profile, a function
-        of its own history (evidence, lag, tokens left, plain rounds) only, memoised."""
+        """A reproducible row's N: `choose` (and `explore`) on the profile for a full batch of rows
+        like it (`alone_batch`, the engine's max_batch), a function of its own history (evidence,
+        lag, tokens left, plain rounds) only, memoised. A full batch is the safe side: drafting
+        pays less there than in a small one, and planned for one row, seeded rows in a batch of 8
+        drafted where it did not pay and ran 0.63-0.72x plain decoding (the embedded pair)."""
         choice, due = self.row_choice(row, alone=True), row.estimate.plain_rounds >= EXPLORE_EVERY
         n = self._alone.get((choice, due))
         if n is None:
-            table = _RoundTimes(self.profile, self.max_n)
-            (n,) = choose([choice], table, self.max_n, 0.0, self.margin)
+            table, clones = _RoundTimes(self.profile, self.max_n), [choice] * self.alone_batch
+            n = choose(clones, table, self.max_n, 0.0, self.margin)[0]
             if due and not n:
-                m = catch_up_size([row.draft_lag])
+                m = catch_up_size([row.draft_lag] * self.alone_batch)
                 extra = self.profile.time(Stage.CATCH_UP, m) if m else 0.0
-                n = (explore([choice], [0], [True], table, self.max_n, 0.0, extra) or [0])[0]
+                plain, due_all = [0] * self.alone_batch, [True] * self.alone_batch
+                n = (explore(clones, plain, due_all, table, self.max_n, 0.0, extra) or plain)[0]
             if len(self._alone) > 4096:
                 self._alone.clear()
             self._alone[(choice, due)] = n
