@@ -191,6 +191,27 @@ def test_seeded_rows_are_planned_for_a_full_batch():
     assert all(row.num_draft == 0 for row in free)
 
 
+def test_seeded_rows_of_a_kind_draft_at_one_n_or_not_at_all():
+    """Each seeded row's N comes from its own evidence; were it free over 0..N_max, a batch of
+    rows of one tier would spread over several N, and run one round per N each step. Rows of a
+    kind draft at the kind's N (its best at the constant prior, for a full batch) or not at all:
+    over 40 rows of varied evidence on a cost model where drafting pays, two values at most."""
+    import random
+
+    from tests.test_draft_planner import overhead_bound
+
+    rng = random.Random(0)
+    planner = DraftPlanner(overhead_bound(), 8, alone_batch=8)
+    rows = []
+    for _ in range(40):
+        row = _planned_row(0.25, seed=True)
+        row.estimate.observe([rng.uniform(0.0, 1.0)] * rng.randint(0, 60))
+        rows.append(row)
+    planner.assign(rows)
+    ns = {row.num_draft for row in rows}
+    assert len(ns) == 2 and 0 in ns, ns  # some rows' evidence says drafting loses, most draft
+
+
 def test_a_row_whose_round_did_not_run_is_planned_again_from_the_same_state(tiny_pair):
     """A batched round that raises in `advance` leaves the rows after the raising one without their
     round; the step's plan counted it for them (a plain round towards exploring). The scheduler

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from server.engine.embedded.engine import max_token_bytes
+from server.engine.embedded.tokenization import max_token_bytes
 from server.engine.model_pair import verify_pair
 from server.gateway.prepare import plan
 from server.gateway.schemas import CompletionRequest

@@ -82,8 +82,9 @@ def drafting_costs(max_batch: int, max_n: int):
 @contextlib.contextmanager
 def fixed_and_adaptive(pair, **config):
     """Two started embedded engines on `pair` with `config`: {"fixed": N = 3 (strict ν: every
-    position drafted or drawn from ν), "adaptive": the default adaptive N under `drafting_costs`
-    (so it drafts; bonuses and N = 0 rounds from p, quality 0 draft-only)}; stopped on exit."""
+    position drafted or drawn from ν), "adaptive": the default adaptive N under `drafting_costs`,
+    seeded rows planned as for one row (so it drafts; bonuses and N = 0 rounds from p, quality 0
+    draft-only)}; stopped on exit."""
     import asyncio
 
     from server.engine.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
@@ -95,9 +96,11 @@ def fixed_and_adaptive(pair, **config):
     for eng in engines.values():
         eng.start_sync()
     adaptive = engines["adaptive"]
-    adaptive.scheduler.models.planner.set_cost(
-        drafting_costs(adaptive.config.max_batch, adaptive.config.max_num_draft)
-    )
+    planner = adaptive.scheduler.models.planner
+    planner.set_cost(drafting_costs(adaptive.config.max_batch, adaptive.config.max_num_draft))
+    # Seeded rows are planned for a full batch, where this cost model never drafts: as for one row,
+    # so that the seeded requests these tests send draft and the drafted paths are exercised.
+    planner.alone_batch = 1
     try:
         yield engines
     finally:

@@ -20,11 +20,12 @@ gateway refuse requests, report it on /ready, and call `on_fatal` (the server ex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -42,7 +43,7 @@ from server.gateway.generation import (
     until_disconnect,
 )
 from server.gateway.metrics import GatewayMetrics
-from server.gateway.prepare import Prepared
+from server.gateway.prepare import Plan, Prepared
 from server.gateway.settings import GatewaySettings
 from server.gateway.streaming import (
     ChunkFormatter,
@@ -50,7 +51,7 @@ from server.gateway.streaming import (
     shutting_down,
     sse_events,
 )
-from verifier.dial import PolicyKind, verification_for
+from verifier.dial import DialPoint, PolicyKind, verification_for
 
 log = logging.getLogger("dialspec.gateway")
 
@@ -177,16 +178,53 @@ class Gateway:
         return exc
 
     async def handle(self, kind: str, body, request: Request) -> Response:
+        """One request: plan -> admit -> prepare and start -> respond (JSON, or an SSE stream).
+
+        What admission gave (the slots, then the engine rows and the accounting) is released once,
+        when the response is over: by `owner` for a JSON answer or an error; a stream takes the
+        release over from `owner` (`pop_all`) and runs it when the stream ends.
+        """
         start = time.monotonic()
+        plan = self._plan(kind, body)
+        try:
+            await self._admit(plan, request)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED)
+        admitted = self._serve_admitted(plan, start)
+        async with contextlib.AsyncExitStack() as owner:
+            owner.push_async_callback(admitted.release)
+            try:
+                prep = await self._prepare(admitted, kind, body, request)
+                if prep.stream:
+                    first = await until_disconnect(request, admitted.run.next_event())
+                    stream = self._sse(admitted, first)
+                    owner.pop_all()  # the stream releases them now, when it ends
+                    return stream
+                await until_disconnect(request, self._collect(admitted.run, admitted.tracker))
+                body = self._body(prep, admitted.tracker, self.engine.info.system_fingerprint)
+                return JSONResponse(body, headers=admitted.headers())
+            except ClientDisconnected:
+                return Response(status_code=CLIENT_CLOSED)
+            except ServerShuttingDown:
+                raise self._refuse(shutting_down()) from None
+            except EngineError as exc:
+                if admitted.tracker is not None:
+                    admitted.tracker.failed = True
+                raise self._refuse(from_engine_error(exc)) from None
+
+    def _plan(self, kind: str, body) -> Plan:
+        """The cheap checks and decisions, on the loop (503 while closed, 4xx on a bad body)."""
         try:
             self.refuse_if_closed()
-            plan = prep_mod.plan(kind, body, self.engine, self.settings, self.max_choices)
+            return prep_mod.plan(kind, body, self.engine, self.settings, self.max_choices)
         except APIError as exc:
             raise self._refuse(exc) from None
-        slots = plan.choices
+
+    async def _admit(self, plan: Plan, request: Request) -> None:
+        """A slot per choice, or at once a 429 (at capacity) or 503 (closing or failed)."""
         self.brownout.arrived()
         try:
-            await until_disconnect(request, self.admission.acquire(slots))
+            await until_disconnect(request, self.admission.acquire(plan.choices))
         except Overloaded:
             self.brownout.refused()
             retry = str(self.settings.retry_after_s)
@@ -203,87 +241,52 @@ class Gateway:
             raise self._refuse(
                 shutting_down() if self.draining else APIError(503, str(self.failed), code="engine_failed")
             ) from None
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED)
-        admitted = time.monotonic()
-        self.metrics.queue_time.observe(admitted - start)
-        requested = plan.dial
-        plan = replace(plan, dial=self.brownout.serve(requested, plan.floor))  # decided once, here
+
+    def _serve_admitted(self, plan: Plan, start: float) -> Admitted:
+        """The quality an admitted request is served at: decided once, here (brownout)."""
+        admitted_at = time.monotonic()
+        self.metrics.queue_time.observe(admitted_at - start)
+        served = replace(plan, dial=self.brownout.serve(plan.dial, plan.floor))
         self.metrics.requests_by_quality.labels(
-            requested_tier=requested.label, served_tier=plan.dial.label
+            requested_tier=plan.dial.label, served_tier=served.dial.label
         ).inc()
+        return Admitted(self, served, requested=plan.dial, start=start, admitted_at=admitted_at)
 
-        prep: Prepared | None = None
-        tracker: Tracker | None = None
-        run: MultiStream | None = None
-        closed = False
-
-        async def cleanup():
-            nonlocal closed
-            if closed:
-                return
-            closed = True
-            if run is not None:
-                await run.aclose()  # cancels unfinished streams: the engine frees their rows
-                self._runs.discard(run)
-            if tracker is not None:
-                tracker.close()
-                if tracker.done:
-                    service_s = time.monotonic() - admitted
-                    tokens = sum(tracker.completion_tokens)
-                    self.brownout.finished(requested, plan.floor, plan.dial, service_s, tokens, slots)
-            self.admission.release(slots)
-            if prep is not None and tracker is not None:
-                self._log(prep, tracker, start)
-
-        handed_off = False  # once the streaming response owns cleanup, it runs when the stream ends
+    async def _prepare(self, admitted: Admitted, kind: str, body, request: Request) -> Prepared:
+        """Tokenize off the loop, build the engine requests and start them."""
+        tokenized = asyncio.get_running_loop().run_in_executor(
+            self._cpu, prep_mod.tokenize, kind, body, self.engine
+        )
         try:
-            loop = asyncio.get_running_loop()
-            tokenized = loop.run_in_executor(self._cpu, prep_mod.tokenize, kind, body, self.engine)
-            try:
-                prompts = await until_disconnect(request, tokenized)
-                prep = prep_mod.build(plan, prompts, self.engine.info, self.settings)
-            except APIError as exc:
-                raise self._refuse(exc) from None
-            tracker = Tracker(
-                self.metrics, prep.dial, slots, prep.prompt_tokens, arrival=start, requested=requested,
-                floor=plan.floor,
-            )  # fmt: skip
-            headers = {"X-Request-Id": prep.request_id, **quality_headers(tracker.quality())}
-            run = MultiStream(self.engine, prep.requests).start()
-            self._runs.add(run)
-            if self._cut:
-                run.shutdown()
-            if prep.stream:
-                first = await until_disconnect(request, run.next_event())
-                fmt = ChunkFormatter(
-                    kind, prep.request_id, prep.created, prep.model, prep.include_usage,
-                    self.engine.info.system_fingerprint,
-                )  # fmt: skip
-                response = ClosingEventSourceResponse(
-                    sse_events(run, tracker, fmt, first),
-                    on_close=cleanup,
-                    ping=15,
-                    # sse-starlette ends streams once uvicorn exits; the drain has ended ours by then
-                    shutdown_grace_period=2,
-                    headers=headers,
-                )
-                handed_off = True
-                return response
-            await until_disconnect(request, self._collect(run, tracker))
-            body = self._body(prep, tracker, self.engine.info.system_fingerprint)
-            return JSONResponse(body, headers=headers)
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED)
-        except ServerShuttingDown:
-            raise self._refuse(shutting_down()) from None
-        except EngineError as exc:
-            if tracker is not None:
-                tracker.failed = True
-            raise self._refuse(from_engine_error(exc)) from None
-        finally:
-            if not handed_off:
-                await cleanup()
+            prompts = await until_disconnect(request, tokenized)
+            prep = prep_mod.build(admitted.plan, prompts, self.engine.info, self.settings)
+        except APIError as exc:
+            raise self._refuse(exc) from None
+        admitted.prep = prep
+        admitted.tracker = Tracker(
+            self.metrics, prep.dial, admitted.slots, prep.prompt_tokens, arrival=admitted.start,
+            requested=admitted.requested, floor=admitted.plan.floor,
+        )  # fmt: skip
+        admitted.run = MultiStream(self.engine, prep.requests).start()
+        self._runs.add(admitted.run)
+        if self._cut:
+            admitted.run.shutdown()
+        return prep
+
+    def _sse(self, admitted: Admitted, first) -> ClosingEventSourceResponse:
+        prep = admitted.prep
+        fmt = ChunkFormatter(
+            prep.kind, prep.request_id, prep.created, prep.model, prep.include_usage,
+            self.engine.info.system_fingerprint,
+        )  # fmt: skip
+        return ClosingEventSourceResponse(
+            sse_events(admitted.run, admitted.tracker, fmt, first),
+            on_close=admitted.release,
+            ping=15,
+            # sse-starlette ends streams once uvicorn exits; the drain has ended ours by then
+            shutdown_grace_period=2,
+            headers=admitted.headers(),
+        )
 
     @staticmethod
     async def _collect(run: MultiStream, tracker: Tracker) -> None:
@@ -340,6 +343,48 @@ class Gateway:
         if self.settings.log_content:
             for i in range(tracker.num_choices):
                 log.info("%s choice %d text=%r", prep.request_id, i, tracker.text(i))
+
+
+@dataclass
+class Admitted:
+    """What an admitted request holds until its response is over: its slots, then its engine
+    rows (`run`) and accounting (`tracker`). `release` gives them back, once."""
+
+    gateway: Gateway
+    plan: Plan  # as served (the brownout's quality in `dial`)
+    requested: DialPoint  # the quality asked for
+    start: float  # arrival (monotonic)
+    admitted_at: float
+    prep: Prepared | None = None
+    tracker: Tracker | None = None
+    run: MultiStream | None = None
+    _released: bool = False
+
+    @property
+    def slots(self) -> int:
+        return self.plan.choices
+
+    def headers(self) -> dict[str, str]:
+        return {"X-Request-Id": self.prep.request_id, **quality_headers(self.tracker.quality())}
+
+    async def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        gw = self.gateway
+        if self.run is not None:
+            await self.run.aclose()  # cancels unfinished streams: the engine frees their rows
+            gw._runs.discard(self.run)
+        if self.tracker is not None:
+            self.tracker.close()
+            if self.tracker.done:
+                service_s = time.monotonic() - self.admitted_at
+                tokens = sum(self.tracker.completion_tokens)
+                plan = self.plan
+                gw.brownout.finished(self.requested, plan.floor, plan.dial, service_s, tokens, self.slots)
+        gw.admission.release(self.slots)
+        if self.prep is not None and self.tracker is not None:
+            gw._log(self.prep, self.tracker, self.start)
 
 
 def quality_headers(quality: dict) -> dict[str, str]:

@@ -21,29 +21,29 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from server.engine.embedded.cpu_threads import intra_op_threads, scheduler_threads
 from server.engine.embedded.dtype_choice import DTYPES, choose_dtype
-from server.engine.embedded.grammar import GrammarCache, GrammarError
+from server.engine.embedded.grammar import EngineGrammars, GrammarCache, GrammarError, xgrammar_installed
 from server.engine.embedded.models import Models, WeightHead
+from server.engine.embedded.request_checks import checked_sampling
 from server.engine.embedded.row import Row, RowMode
 from server.engine.embedded.scheduler import Scheduler
+from server.engine.embedded.tokenization import encode_chat, max_token_bytes, stop_ids
 from server.engine.protocol import (
     EngineError,
     EngineInfo,
     GenerationChunk,
     GenerationRequest,
     SamplingOptions,
-    check_sampling,
-    logprobs_refusal,
 )
 from server.engine.token_bytes import TokenBytes
-from verifier.dial import DEFAULT_AUTO_DIAL, DialError
+from verifier.dial import DEFAULT_AUTO_DIAL
 
 
 def default_cache_dir() -> Path:
@@ -96,11 +96,8 @@ class EmbeddedEngineConfig:
     forced_tv: float | None = None
     cache_dir: str | Path | None = None  # cost models and dtype choices; None = not cached
     max_waiting: int = 256  # queue bound; beyond it requests get EngineError 'capacity'
-    # Intra-op CPU threads of the scheduler thread (OpenMP settings are per thread, so callers'
-    # threads keep theirs). None = auto: 1 for small targets (< 50M parameters),
-    # whose matmuls are too small to split and whose OpenMP barriers cost milliseconds on a busy
-    # host (measured: 2.6 ms vs 0.1 ms per 256x512 linear with 2 threads on a loaded 2-core box);
-    # torch's default otherwise.
+    # Intra-op CPU threads of the scheduler thread. None = auto: 1 for small targets (< 50M
+    # parameters) on CPU, torch's default otherwise (cpu_threads.py says why).
     num_threads: int | None = None
     # `response_format`: a schema that has not compiled after this many seconds is refused (its
     # compilation runs off the event loop; xgrammar cannot be interrupted, so it finishes unseen).
@@ -123,29 +120,6 @@ class EmbeddedEngineConfig:
         return self
 
 
-def _num_params(path: Path) -> int:
-    from server.engine.embedded.model.llama import ModelArgs
-
-    a = ModelArgs.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
-    per_layer = a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-    per_layer += a.num_heads * a.head_dim * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
-    return a.num_layers * per_layer + a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
-
-
-@contextlib.contextmanager
-def _intra_op_threads(threads: int | None):
-    """Run the block with `threads` intra-op threads on this thread (restored after)."""
-    if not threads:
-        yield
-        return
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
 class EmbeddedEngine:
     def __init__(self, config: EmbeddedEngineConfig):
         from transformers import AutoTokenizer
@@ -153,11 +127,7 @@ class EmbeddedEngine:
         self.config = config.resolve()
         self.tokenizer = AutoTokenizer.from_pretrained(str(config.target_path))
         cfg = json.loads((config.target_path / "config.json").read_text())
-        eos = cfg.get("eos_token_id")
-        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            eos_ids.add(self.tokenizer.eos_token_id)
-        self.eos_ids = frozenset(eos_ids)
+        self.eos_ids = stop_ids(self.tokenizer, cfg)
         self.vocab_size = cfg["vocab_size"]
         # A head directory is loaded and checked against the pair here, so a mismatch fails when
         # the engine is built (before any server listens); load_models only moves it to the device.
@@ -177,10 +147,11 @@ class EmbeddedEngine:
             max_token_bytes=max_token_bytes(self.tokenizer),
             token_provenance=True,  # rows report each token's source and w (row.py, `_provenance`)
             token_logprobs=True,  # rows report the log-probs of each token's law (logprobs.py)
-            structured_output=_has_xgrammar(),  # response_format (grammar.py), with the extra installed
+            structured_output=xgrammar_installed(),  # response_format (grammar.py), with the extra installed
         )
-        self._grammar_cache = None  # built on the first constrained request
-        self._grammar_lock = threading.Lock()
+        self._grammars = EngineGrammars(
+            self.tokenizer, self.vocab_size, self.eos_ids, config.grammar_timeout_s
+        )
         self.token_bytes = TokenBytes(self.tokenizer)  # shared by the rows that report log-probs
         self.scheduler: Scheduler | None = None
         self._stopping = False
@@ -191,10 +162,8 @@ class EmbeddedEngine:
         model the draft-length planner works from. Runs with the scheduler thread's CPU threads."""
         c = self.config
         device = torch.device(c.device)
-        threads = c.num_threads
-        if device.type == "cpu" and threads is None:
-            threads = 1 if _num_params(c.target_path) < 50_000_000 else None
-        with _intra_op_threads(threads):
+        threads = scheduler_threads(device, c.num_threads, c.target_path)
+        with intra_op_threads(threads):
             return self._load_models(device, threads)
 
     def _load_models(self, device: torch.device, threads: int | None) -> Models:
@@ -322,18 +291,7 @@ class EmbeddedEngine:
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            msg = f"model {self.info.model!r} has no chat template; send a plain prompt"
-            raise EngineError(msg, "invalid_request")
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        except Exception as exc:  # template errors (bad roles, missing keys) are the caller's
-            raise EngineError(f"chat template failed: {exc}", "invalid_request") from exc
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return encode_chat(self.tokenizer, messages, self.info.model)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
@@ -342,36 +300,10 @@ class EmbeddedEngine:
     def make_row(self, request: GenerationRequest, sink) -> Row:
         """Validate `request` and build its row; raises EngineError on anything unservable."""
         c, v = self.config, request.verify
-        prompt = request.prompt_token_ids
-        bad = None
-        try:
-            s = check_sampling(request.sampling, self.vocab_size)
-        except ValueError as exc:
-            raise EngineError(str(exc), "invalid_request") from None
-        if not prompt:
-            bad = "prompt is empty"
-        elif any(
-            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt
-        ):
-            bad = f"prompt token ids must be integers in [0, {self.vocab_size})"
-        elif len(prompt) + s.max_tokens > c.max_context:
-            bad = (
-                f"prompt ({len(prompt)} tokens) + max_tokens ({s.max_tokens}) exceeds this engine's "
-                f"max_context of {c.max_context} tokens; shorten the prompt or lower max_tokens"
-            )
-        elif v.learned and c.head is None:
-            bad = "learned weights requested but this engine has no weight head loaded"
-        elif request.logprobs is not None:
-            bad = self._logprobs_refusal(request)
-        if not bad and request.response_format is not None and not self.info.structured_output:
-            bad = "response_format needs xgrammar: install dialspec[structured]"
-        else:
-            try:
-                v.validate(c.max_num_draft)
-            except DialError as exc:
-                bad = str(exc)
-        if bad:
-            raise EngineError(bad, "invalid_request")
+        s = checked_sampling(
+            request, vocab_size=self.vocab_size, max_context=c.max_context, max_num_draft=c.max_num_draft,
+            has_head=c.head is not None, structured_output=self.info.structured_output, forced_tv=c.forced_tv,
+        )  # fmt: skip
         fixed = 0 if v.mode == "autoregressive" else (v.num_draft or c.num_draft)
         try:
             request = replace(request, sampling=s)
@@ -394,36 +326,9 @@ class EmbeddedEngine:
         except ValueError as exc:  # e.g. Policy parameter ranges
             raise EngineError(str(exc), "invalid_request") from exc
 
-    def _logprobs_refusal(self, request: GenerationRequest) -> str | None:
-        """Why `request.logprobs` cannot be served, or None."""
-        if self.config.forced_tv is not None:
-            return "logprobs: this engine forces acceptance for timing (forced_tv); its tokens follow no law"
-        return logprobs_refusal(request.logprobs, request.verify)
-
     def grammars(self) -> GrammarCache:
         """The pair's grammar compiler (built on first use: it reads the whole vocabulary)."""
-        with self._grammar_lock:
-            if self._grammar_cache is None:
-                self._grammar_cache = GrammarCache(self.tokenizer, self.vocab_size, self.eos_ids)
-            if self.scheduler is not None:
-                self._grammar_cache.timers = self.scheduler.timers
-            return self._grammar_cache
-
-    async def _compile(self, request: GenerationRequest) -> None:
-        """Compile the request's schema off the event loop, within `grammar_timeout_s` (the row then
-        finds it in the compiler's cache)."""
-        if request.response_format is None or not self.info.structured_output:
-            return
-        fmt = request.response_format
-        work = asyncio.to_thread(lambda: self.grammars().compile(fmt))  # the first builds the cache too
-        try:
-            await asyncio.wait_for(work, self.config.grammar_timeout_s)
-        except TimeoutError:
-            limit = self.config.grammar_timeout_s
-            msg = f"response_format: the schema did not compile within {limit:g} s; simplify it"
-            raise EngineError(msg, "invalid_request") from None
-        except GrammarError as exc:
-            raise EngineError(str(exc), "invalid_request") from None
+        return self._grammars.cache(self.scheduler.timers if self.scheduler is not None else None)
 
     def submit(self, request: GenerationRequest, sink) -> Row:
         """Thread-safe enqueue (used by `generate` and by the synchronous benchmark)."""
@@ -447,7 +352,9 @@ class EmbeddedEngine:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        await self._compile(request)
+        if request.response_format is not None and self.info.structured_output:
+            timers = self.scheduler.timers if self.scheduler is not None else None
+            await self._grammars.compile(request.response_format, timers)
         row = self.submit(request, sink)
         finished = False
         try:
@@ -464,48 +371,3 @@ class EmbeddedEngine:
         finally:
             if not finished and self.scheduler is not None:
                 self.scheduler.cancel(row)
-
-
-def _has_xgrammar() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("xgrammar") is not None
-
-
-def _keeps_bytes(pre_tokenizer: dict) -> bool:
-    """Pre-tokenizers that only split (or add a prefix space): every input byte reaches the model."""
-    kind = pre_tokenizer.get("type")
-    if kind in ("ByteLevel", "Digits"):
-        return True
-    return kind in ("Split", "Punctuation") and pre_tokenizer.get("behavior") != "Removed"
-
-
-def max_token_bytes(tokenizer) -> int | None:
-    """The longest token in UTF-8 bytes when that bounds the token count from below, else None.
-
-    For byte-level BPE without a normalizer, tokenizing text splits its UTF-8 bytes into pieces
-    that are each a vocabulary entry (or an added token matched verbatim), and special tokens
-    added around it only add to the count. So any text of b bytes gives at least
-    ceil(b / L) tokens, L = the longest entry in bytes. A normalizer (NFC, lowercasing, ...) may
-    shrink the text first, and other models (WordPiece, Unigram) may drop bytes: no bound then.
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    spec = json.loads(backend.to_str())
-    if spec.get("normalizer") is not None or (spec.get("model") or {}).get("type") != "BPE":
-        return None
-    pre = spec.get("pre_tokenizer") or {}
-    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    if not any(p.get("type") == "ByteLevel" for p in parts) or not all(map(_keeps_bytes, parts)):
-        return None
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    alphabet = set(ByteLevel.alphabet())  # each of these 256 characters stands for one byte
-
-    def size(piece: str) -> int:
-        return sum(1 if ch in alphabet else len(ch.encode("utf-8")) for ch in piece)
-
-    vocab = spec["model"].get("vocab") or {}
-    added = [t.get("content", "") for t in spec.get("added_tokens") or []]
-    return max([size(t) for t in vocab] + [len(a.encode("utf-8")) for a in added] + [1])

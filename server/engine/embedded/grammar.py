@@ -16,8 +16,8 @@ correction or bonus (`RowGrammar.settle`). Once the grammar is complete only its
 are allowed, and a constrained row always stops at EOS (`ignore_eos` does not apply to it).
 
 Schemas compile once each (xgrammar's compiler caches by schema), off the event loop with a time
-limit (`EmbeddedEngine.generate`). JSON is compact (no free whitespace: a model cannot wander in
-it), `json_object` is any JSON object.
+limit (`EngineGrammars.compile`, awaited by `EmbeddedEngine.generate`). JSON is compact (no free
+whitespace: a model cannot wander in it), `json_object` is any JSON object.
 
 Cost: per constrained row and position, one bitmask fill on the host and its unpacking to a `[V]`
 mask, summed in the scheduler's timers (`grammar_s`; `dialspec bench engine --response-format`
@@ -26,12 +26,15 @@ reports it per round).
 
 from __future__ import annotations
 
+import asyncio
 import codecs
+import importlib.util
+import threading
 import time
 
 import torch
 
-from server.engine.protocol import ResponseFormat
+from server.engine.protocol import EngineError, ResponseFormat
 from server.engine.token_bytes import TokenBytes
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
@@ -175,3 +178,41 @@ def constrained(rows) -> list[int]:
 def allowed_now(rows, idx: list[int]) -> torch.Tensor:
     """`[len(idx), V]` bool: each constrained row's mask in its current state."""
     return torch.stack([rows[i].grammar.allowed() for i in idx])
+
+
+def xgrammar_installed() -> bool:
+    """xgrammar is installed (the `structured` extra)."""
+    return importlib.util.find_spec("xgrammar") is not None
+
+
+class EngineGrammars:
+    """An engine's one `GrammarCache`, built on first use (it reads the whole vocabulary), and the
+    time-limited compile a constrained request waits for before its row is made (the row then
+    finds the schema in the compiler's cache)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids, timeout_s: float):
+        self._args = (tokenizer, vocab_size, stop_ids)
+        self.timeout_s = timeout_s
+        self._cache: GrammarCache | None = None
+        self._lock = threading.Lock()  # the scheduler thread and compile threads both build it
+
+    def cache(self, timers=None) -> GrammarCache:
+        """The cache; `timers` (the running scheduler's) then sum its masks' host time."""
+        with self._lock:
+            if self._cache is None:
+                self._cache = GrammarCache(*self._args)
+            if timers is not None:
+                self._cache.timers = timers
+            return self._cache
+
+    async def compile(self, fmt: ResponseFormat, timers=None) -> None:
+        """Compile `fmt` off the event loop within `timeout_s`; EngineError 'invalid_request' when
+        it does not compile or takes longer (xgrammar cannot be interrupted: it finishes unseen)."""
+        work = asyncio.to_thread(lambda: self.cache(timers).compile(fmt))  # the first builds the cache too
+        try:
+            await asyncio.wait_for(work, self.timeout_s)
+        except TimeoutError:
+            msg = f"response_format: the schema did not compile within {self.timeout_s:g} s; simplify it"
+            raise EngineError(msg, "invalid_request") from None
+        except GrammarError as exc:
+            raise EngineError(str(exc), "invalid_request") from None

@@ -84,10 +84,14 @@ class AcceptancePool:
         if tv:
             _decayed(self.tv_sums, tv)
 
-    def beta(self, row, alone: bool = False) -> float:
-        """The row's β: its own evidence over its kind's (over the constant prior if `alone`)."""
+    def prior(self, row, alone: bool = False) -> float:
+        """The row's kind's β: its pool over 1 − w·TV̂, or the constant 1 − w·`PRIOR_TV` if `alone`."""
         if alone:
-            return row.estimate.beta(1.0 - self.weight(row) * PRIOR_TV)
+            return 1.0 - self.weight(row) * PRIOR_TV
         total, count = self.kinds.get(self.kind(row), (0.0, 0.0))
         prior = 1.0 - self.weight(row) * self.tv
-        return row.estimate.beta((PRIOR_POSITIONS * prior + total) / (PRIOR_POSITIONS + count))
+        return (PRIOR_POSITIONS * prior + total) / (PRIOR_POSITIONS + count)
+
+    def beta(self, row, alone: bool = False) -> float:
+        """The row's β: its own evidence over its kind's (`prior`)."""
+        return row.estimate.beta(self.prior(row, alone))

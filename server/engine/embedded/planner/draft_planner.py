@@ -132,9 +132,11 @@ def goodput(rows: Sequence[RowChoice], ns, round_time: RoundTime, step: float = 
 
 
 def choose(
-    rows: Sequence[RowChoice], round_time: RoundTime, max_n: int, step: float = 0.0, margin: float = MARGIN
+    rows: Sequence[RowChoice], round_time: RoundTime, max_n: int, step=0.0, margin=MARGIN, options=None
 ) -> list[int]:
-    """Draft lengths for `rows` maximising the step's goodput (module doc); fixed rows keep theirs."""
+    """Draft lengths for `rows` maximising the step's goodput (module doc); fixed rows keep theirs.
+    `options`: the draft lengths allowed (default 0..max_n)."""
+    options = range(max_n + 1) if options is None else options
     classes = list(Counter(rows).items())
     fixed = [row.fixed for row, _ in classes]
     base = [0 if f is None else f for f in fixed]
@@ -142,12 +144,12 @@ def choose(
     score = lambda ns: _goodput(classes, ns, round_time, step)  # noqa: E731
     floor = score(base)
     best, best_score = base, floor
-    for n in range(1, max_n + 1):
+    for n in options:
         ns = [n if f is None else f for f in fixed]
         if (s := score(ns)) > best_score:
             best, best_score = ns, s
     for _ in range(2 * len(free) if len(free) > 1 else 0):  # steepest ascent over one-class moves
-        moves = [[*best[:c], n, *best[c + 1 :]] for c in free for n in range(max_n + 1) if n != best[c]]
+        moves = [[*best[:c], n, *best[c + 1 :]] for c in free for n in options if n != best[c]]
         s, top = max((score(ns), ns) for ns in moves)
         if s <= best_score * (1 + 1e-9):
             break
@@ -157,11 +159,14 @@ def choose(
     return [by_class[row] for row in rows]
 
 
-def explore(rows, plan, due, round_time, max_n: int, step=0.0, catch_up=0.0, max_loss=EXPLORE_LOSS):
-    """`plan` with the rows `due` drafting at their best common n, if its goodput with `catch_up`
-    seconds added is within `max_loss` of `plan`'s; else None."""
+def explore(
+    rows, plan, due, round_time, max_n: int, step=0.0, catch_up=0.0, max_loss=EXPLORE_LOSS, options=None
+):
+    """`plan` with the rows `due` drafting at their best common n (of `options`, default 1..max_n),
+    if its goodput with `catch_up` seconds added is within `max_loss` of `plan`'s; else None."""
     floor = goodput(rows, plan, round_time, step)
-    trials = [[n if d else k for d, k in zip(due, plan, strict=True)] for n in range(1, max_n + 1)]
+    options = range(1, max_n + 1) if options is None else options
+    trials = [[n if d else k for d, k in zip(due, plan, strict=True)] for n in options]
     rated = [(goodput(rows, t, round_time, step, catch_up), t) for t in trials]
     score, best = max(rated, key=lambda st: st[0])
     return best if score >= (1 - max_loss) * floor else None
@@ -178,6 +183,10 @@ class _RoundTimes:
             self.lines[r] = (self.cost.round_times(r, self.max_n), self.cost.time(Stage.DRAFT, r))
         times, draft = self.lines[r]
         return (times[n] if n <= self.max_n else self.cost.round_time(r, n)) + bonus * draft
+
+
+def _grid(beta: float) -> float:
+    return round(round(beta / BETA_STEP) * BETA_STEP, 4)
 
 
 def _free(row: PlannedRow) -> bool:
@@ -221,8 +230,7 @@ class DraftPlanner:
             catchup = float(f"{2.0 ** (round(4 * math.log2(seconds)) / 4):.4g}") if seconds > 0 else 0.0
         cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
         fixed = None if row.mode.adaptive and (alone or not reproducible) else row.num_draft
-        beta = round(round(beta / BETA_STEP) * BETA_STEP, 4)
-        return RowChoice(beta, row.mode.draws_nu, fixed, catchup, cap)
+        return RowChoice(_grid(beta), row.mode.draws_nu, fixed, catchup, cap)
 
     def assign(self, rows: Sequence[PlannedRow]) -> None:
         for row in rows:
@@ -267,21 +275,28 @@ class DraftPlanner:
                 _counted(row, n, d)
 
     def _plan_alone(self, row: PlannedRow) -> None:
-        """A reproducible row's N: `choose` (and `explore`) on the profile for a full batch of rows
-        like it (`alone_batch`, the engine's max_batch), a function of its own history (evidence,
-        lag, tokens left, plain rounds) only, memoised. A full batch is the safe side: drafting
-        pays less there than in a small one, and planned for one row, seeded rows in a batch of 8
-        drafted where it did not pay and ran 0.63-0.72x plain decoding (the embedded pair)."""
+        """A reproducible row's N, memoised: its kind's N or 0. The kind's N is the best for a full
+        batch (`alone_batch`, the engine's max_batch) of rows at the kind's constant prior, on the
+        profile; the row's own evidence (and lag, tokens left, plain rounds) decides whether
+        drafting at it pays, by `choose` and `explore` for such a batch. A full batch is the safe
+        side: drafting pays less there (planned for one row, seeded rows in a batch of 8 drafted
+        where it did not pay: 0.63-0.72x plain decoding on the embedded pair). One N per kind
+        keeps a batch of seeded rows in one round (with an N of its own each, a batch of lite
+        rows ran two or three rounds a step: 0.81x plain decoding)."""
         choice, due = self.row_choice(row, alone=True), row.estimate.plain_rounds >= EXPLORE_EVERY
         n = self._alone.get((choice, due))
         if n is None:
             table, clones = _RoundTimes(self.profile, self.max_n), [choice] * self.alone_batch
-            n = choose(clones, table, self.max_n, 0.0, self.margin)[0]
-            if due and not n:
+            kind = RowChoice(_grid(self.acceptance.prior(row, alone=True)), choice.draws_nu)
+            kind_n = choose([kind] * self.alone_batch, table, self.max_n, 0.0, self.margin)[0]
+            n = choose(clones, table, self.max_n, 0.0, self.margin, options=(0, kind_n))[0]
+            if due and not n and kind_n:
                 m = catch_up_size([row.draft_lag] * self.alone_batch)
                 extra = self.profile.time(Stage.CATCH_UP, m) if m else 0.0
                 plain, due_all = [0] * self.alone_batch, [True] * self.alone_batch
-                n = (explore(clones, plain, due_all, table, self.max_n, 0.0, extra) or plain)[0]
+                n = (explore(clones, plain, due_all, table, kind_n, 0.0, extra, options=(kind_n,)) or plain)[
+                    0
+                ]
             if len(self._alone) > 4096:
                 self._alone.clear()
             self._alone[(choice, due)] = n
