@@ -237,8 +237,8 @@ def test_a_row_whose_round_did_not_run_is_planned_again_from_the_same_state(tiny
         def flush(self):
             return ""
 
-    def row(rid):  # w = 1 on the tiny pair: planned at N = 0, a plain round each step
-        request = GenerationRequest(rid, ids, SamplingOptions(max_tokens=8, seed=1, ignore_eos=True))
+    def row(rid):  # w = 1, unseeded (planned with its batch; seeded rows never explore): N = 0 here
+        request = GenerationRequest(rid, ids, SamplingOptions(max_tokens=8, ignore_eos=True))
         return eng.make_row(request, lambda _item: None)
 
     poison, innocent = row("poison"), row("innocent")

@@ -34,8 +34,8 @@ Terms (β and its estimates: `acceptance.py`; round times: `cost_model.py`)
 Reproducible rows (`RowMode.reproducible`: seeded or greedy). A row's tokens are a function of its
 prompt, its own random stream and its sequence of N. The live plan reads measured costs (the
 host's load), the batch, the pools; so a reproducible row is planned alone: its own evidence over
-the constant prior (`acceptance.py`) and the frozen start-up profile for a full batch of rows like
-it (the safe side: drafting pays less in a full batch), with no overheads.
+the constant prior (`acceptance.py`) and the frozen start-up profile, for a full batch of rows like
+it and at one N per kind (`_plan_alone`: a plan that cannot see its batch must not cost it).
 Its N sequence, and with it its output, is the same in any batch under any load.
 
 Why not randomness keyed by position instead: docs/algorithm.md ("Choosing N").
@@ -159,14 +159,11 @@ def choose(
     return [by_class[row] for row in rows]
 
 
-def explore(
-    rows, plan, due, round_time, max_n: int, step=0.0, catch_up=0.0, max_loss=EXPLORE_LOSS, options=None
-):
-    """`plan` with the rows `due` drafting at their best common n (of `options`, default 1..max_n),
-    if its goodput with `catch_up` seconds added is within `max_loss` of `plan`'s; else None."""
+def explore(rows, plan, due, round_time, max_n: int, step=0.0, catch_up=0.0, max_loss=EXPLORE_LOSS):
+    """`plan` with the rows `due` drafting at their best common n, if its goodput with `catch_up`
+    seconds added is within `max_loss` of `plan`'s; else None."""
     floor = goodput(rows, plan, round_time, step)
-    options = range(1, max_n + 1) if options is None else options
-    trials = [[n if d else k for d, k in zip(due, plan, strict=True)] for n in options]
+    trials = [[n if d else k for d, k in zip(due, plan, strict=True)] for n in range(1, max_n + 1)]
     rated = [(goodput(rows, t, round_time, step, catch_up), t) for t in trials]
     score, best = max(rated, key=lambda st: st[0])
     return best if score >= (1 - max_loss) * floor else None
@@ -277,30 +274,23 @@ class DraftPlanner:
     def _plan_alone(self, row: PlannedRow) -> None:
         """A reproducible row's N, memoised: its kind's N or 0. The kind's N is the best for a full
         batch (`alone_batch`, the engine's max_batch) of rows at the kind's constant prior, on the
-        profile; the row's own evidence (and lag, tokens left, plain rounds) decides whether
-        drafting at it pays, by `choose` and `explore` for such a batch. A full batch is the safe
-        side: drafting pays less there (planned for one row, seeded rows in a batch of 8 drafted
-        where it did not pay: 0.63-0.72x plain decoding on the embedded pair). One N per kind
-        keeps a batch of seeded rows in one round (with an N of its own each, a batch of lite
-        rows ran two or three rounds a step: 0.81x plain decoding)."""
-        choice, due = self.row_choice(row, alone=True), row.estimate.plain_rounds >= EXPLORE_EVERY
-        n = self._alone.get((choice, due))
+        profile; the row's own evidence (and lag, tokens left) decides whether drafting at it pays
+        for such a batch. Why a full batch, one N per kind and no exploring: a plan that cannot
+        see its batch must not cost the batch. Planned for one row, seeded rows in a batch of 8
+        drafted where it did not pay (0.63-0.72x plain decoding, the embedded pair); with an N of
+        their own each, or exploring each on its own clock, a batch of them ran two or three
+        rounds a step (0.75-0.81x)."""
+        choice = self.row_choice(row, alone=True)
+        n = self._alone.get(choice)
         if n is None:
             table, clones = _RoundTimes(self.profile, self.max_n), [choice] * self.alone_batch
             kind = RowChoice(_grid(self.acceptance.prior(row, alone=True)), choice.draws_nu)
             kind_n = choose([kind] * self.alone_batch, table, self.max_n, 0.0, self.margin)[0]
             n = choose(clones, table, self.max_n, 0.0, self.margin, options=(0, kind_n))[0]
-            if due and not n and kind_n:
-                m = catch_up_size([row.draft_lag] * self.alone_batch)
-                extra = self.profile.time(Stage.CATCH_UP, m) if m else 0.0
-                plain, due_all = [0] * self.alone_batch, [True] * self.alone_batch
-                n = (explore(clones, plain, due_all, table, kind_n, 0.0, extra, options=(kind_n,)) or plain)[
-                    0
-                ]
             if len(self._alone) > 4096:
                 self._alone.clear()
-            self._alone[(choice, due)] = n
-        _counted(row, n, due)
+            self._alone[choice] = n
+        row.num_draft = n
 
     def predict(self, rows: Sequence[PlannedRow], n: int) -> tuple[float, float]:
         """(live model, start-up profile) seconds of one round of `rows` at draft length n."""
