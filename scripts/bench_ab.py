@@ -36,7 +36,8 @@ def _run(tree: Path, bench_args: list[str], out: Path, python: str) -> dict:
 
 
 def _line(name: str) -> str:
-    """A target's name without what varies between runs (the best N, the worst tier)."""
+    """A target's name without what varies between runs (the best N, the worst tier or pair)."""
+    name = re.sub(r" \(worst pair\): [^,]*,", " (worst pair),", name)
     return re.sub(r" \((N=\d+|worst: [^)]*|dialspec_[^)]*)\)", "", name)
 
 
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--out", required=True)
     p.add_argument("--python", default=sys.executable)
+    p.add_argument("--again", action="store_true", help="only re-read the passes already in --out")
     args = p.parse_args(argv[:split])
     bench_args = argv[split + 1 :]
     trees = {"a": str(Path(args.a).resolve()), "b": str(Path(args.b).resolve())}
@@ -100,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(1, args.passes + 1):
         print(f"pass {k}/{args.passes}", flush=True)
         for tree in ("a", "b") if k % 2 else ("b", "a"):
-            reports[tree].append(_run(Path(trees[tree]), bench_args, out / f"{tree}-pass{k}", args.python))
+            run = out / f"{tree}-pass{k}"
+            if args.again:
+                reports[tree].append(json.loads((run / "engine.json").read_text()))
+            else:
+                reports[tree].append(_run(Path(trees[tree]), bench_args, run, args.python))
     summary = summarise(reports)
     command = "python scripts/bench_ab.py " + " ".join(argv)
     (out / "ab.json").write_text(json.dumps({"trees": trees, "command": command, "lines": summary}, indent=2))

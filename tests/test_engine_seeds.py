@@ -151,6 +151,11 @@ def test_a_reproducible_rows_n_reads_only_its_own_history():
     planner = DraftPlanner(drafting_costs(8, max_n), max_n)
 
     def plan(rows):
+        planner._held = (
+            frozenset(),
+            0,
+            frozenset(),
+        )  # a full plan each time (the hold: test_draft_planner.py)
         planner.assign(rows)
         return [row.num_draft for row in rows]
 
@@ -221,7 +226,9 @@ def test_a_row_whose_round_did_not_run_is_planned_again_from_the_same_state(tiny
 
     eng = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=2, max_context=96, profile_budget_s=0.3))
     models = eng.load_models()
-    models.planner.set_cost(drafting_costs(2, eng.config.max_num_draft))
+    from tests.test_draft_planner import compute_bound
+
+    models.planner.set_cost(compute_bound())  # drafting never pays: a plain round each step
     sched = Scheduler(models, 2)
     ids = tuple(eng.encode_chat(MSG_SHORT))
 
@@ -237,7 +244,7 @@ def test_a_row_whose_round_did_not_run_is_planned_again_from_the_same_state(tiny
         def flush(self):
             return ""
 
-    def row(rid):  # w = 1, unseeded (planned with its batch; seeded rows never explore): N = 0 here
+    def row(rid):  # w = 1, unseeded (planned with its batch; seeded rows never explore)
         request = GenerationRequest(rid, ids, SamplingOptions(max_tokens=8, ignore_eos=True))
         return eng.make_row(request, lambda _item: None)
 

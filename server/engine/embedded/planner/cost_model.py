@@ -85,12 +85,14 @@ class CostModel:
         self.overhead: dict[Stage, dict[int, float]] = {s: {} for s in OVERHEADS}
         self.updates = 0
         self._curves: dict[tuple, tuple[list[int], list[float]]] = {}
+        self._lines: dict[tuple[int, int], list[tuple[float, float]]] = {}  # (R, max_n) -> shapes
 
     # -- the shape -------------------------------------------------------------------------
     def set(self, stage: Stage | str, r: int, t: int, seconds: float) -> None:
         """A profiled (or cached) point of the shape."""
         self.points.setdefault(Stage(stage), {})[(r, t)] = float(seconds)
         self._curves.clear()
+        self._lines.clear()
 
     def _curve(self, stage: Stage, r: int | None) -> tuple[list[int], list[float]]:
         """(sizes, seconds) made non-decreasing: over T at batch size r, or over M (r = None)."""
@@ -135,14 +137,16 @@ class CostModel:
         return self.shape(_PRICED_AS.get(stage, stage), r, t) * self.factor(stage)
 
     def round_times(self, r: int, max_n: int) -> list[float]:
-        """`round_time(r, n)` for n = 0..max_n, reading the per-round stages once."""
+        """`round_time(r, n)` for n = 0..max_n: the shape's lines (read once per R and length:
+        the shape is frozen) times this moment's factors."""
+        key = (r, max_n)
+        if key not in self._lines:
+            self._lines[key] = [
+                (self.shape(Stage.SCORE, r, n + 1), self.shape(Stage.CHECK, r, n)) for n in range(max_n + 1)
+            ]
         draft, other = self.time(Stage.DRAFT, r), self.time(Stage.OTHER, r)
         score, check = self.factor(Stage.SCORE), self.factor(Stage.CHECK)
-        shape = self.shape
-        return [
-            n * draft + score * shape(Stage.SCORE, r, n + 1) + check * shape(Stage.CHECK, r, n) + other
-            for n in range(max_n + 1)
-        ]
+        return [n * draft + score * s + check * c + other for n, (s, c) in enumerate(self._lines[key])]
 
     def round_time(self, r: int, n: int, bonus: float = 0.0) -> float:
         """Predicted seconds of one round of R rows at draft length n with `bonus` expected

@@ -27,9 +27,12 @@ Terms (β and its estimates: `acceptance.py`; round times: `cost_model.py`)
               `EXPLORE_LOSS` of the step's goodput (its catch-up counted whole): at most ~1 % of
               the tokens where drafting is a near miss, never where it is far off. It also
               re-times the draft where the profile overprices it.
-    hold      a plan stands while the same rows run, for up to `REPLAN_EVERY` steps, unless a row
-              is due to explore or near its end: acceptance and costs move over many rounds,
-              while a search each step costs a few % of a plain round on a small pair.
+    hold      a plan stands for `REPLAN_EVERY` steps; rows that join meanwhile, rows due to
+              explore or that just did, and rows whose end now caps their drafts, are planned
+              with the others' N fixed, at one of their N or 0 (they join a round, never open one
+              but to explore).
+              Acceptance and costs move over many rounds, while a full search at 8 rows of
+              several classes costs ~0.4 ms, a sixth of the embedded pair's step.
 
 Reproducible rows (`RowMode.reproducible`: seeded or greedy). A row's tokens are a function of its
 prompt, its own random stream and its sequence of N. The live plan reads measured costs (the
@@ -56,7 +59,7 @@ from verifier.theory import expected_accepted_length_constant
 MARGIN = 0.03
 EXPLORE_EVERY = 8
 EXPLORE_LOSS = 0.1
-REPLAN_EVERY = 4
+REPLAN_EVERY = 8
 BETA_STEP = 0.05  # β on a grid, so that the rows of a tier form one class for the search
 
 RoundTime = Callable[[int, int, float], float]  # (rows, n, expected bonus steps) -> seconds
@@ -107,28 +110,44 @@ def catch_up_size(lags: Sequence[int]) -> int:
     return len(behind) * (max(behind) - 1) if behind else 0
 
 
-def _goodput(classes: Sequence[tuple[RowChoice, int]], ns, round_time: RoundTime, step: float) -> float:
-    groups: dict[int, list] = {}  # n -> [rows, P(no bonus step), any row draws ν, catch-up s]
-    tokens = 0.0
-    for (row, k), n in zip(classes, ns, strict=True):
-        g = groups.setdefault(n, [0, 1.0, False, 0.0])
-        g[0] += k
-        if row.draws_nu:
-            g[1] *= (1.0 - min(max(row.beta, 0.0), 1.0) ** n) ** k
-            g[2] = True
-        if n or row.draws_nu:
-            g[3] += k * row.catchup
-        tokens += k * expected_tokens(row.beta, n if row.cap is None else min(n, row.cap))
-    seconds = step + sum(
-        round_time(size, n, 1.0 - none if needy else 0.0) + catchup
-        for n, (size, none, needy, catchup) in groups.items()
-    )
-    return tokens / seconds if seconds > 0 else math.inf
+def _scorer(classes: Sequence[tuple[RowChoice, int]], round_time: RoundTime, step: float):
+    """goodput(ns), one n per class of `classes` [(choice, rows)] (module doc). A class's terms at
+    an n (its tokens, P(none of its rows takes a bonus step), its catch-ups) are tabled on first
+    use: a search scores up to hundreds of plans."""
+    terms: dict[tuple[int, int], tuple[float, float, float]] = {}
+
+    def term(c: int, n: int) -> tuple[float, float, float]:
+        if (c, n) not in terms:
+            row, k = classes[c]
+            beta = min(max(row.beta, 0.0), 1.0)
+            tokens = k * expected_tokens(beta, n if row.cap is None else min(n, row.cap))
+            no_bonus = (1.0 - beta**n) ** k if row.draws_nu else 1.0
+            terms[c, n] = (tokens, no_bonus, k * row.catchup if n or row.draws_nu else 0.0)
+        return terms[c, n]
+
+    def score(ns: Sequence[int]) -> float:
+        groups: dict[int, list] = {}  # n -> [rows, P(no bonus step), any row draws ν, catch-up s]
+        tokens = 0.0
+        for c, n in enumerate(ns):
+            t, no_bonus, catchup = term(c, n)
+            tokens += t
+            g = groups.setdefault(n, [0, 1.0, False, 0.0])
+            g[0] += classes[c][1]
+            g[1] *= no_bonus
+            g[2] = g[2] or classes[c][0].draws_nu
+            g[3] += catchup
+        seconds = step + sum(
+            round_time(size, n, 1.0 - none if needy else 0.0) + catchup
+            for n, (size, none, needy, catchup) in groups.items()
+        )
+        return tokens / seconds if seconds > 0 else math.inf
+
+    return score
 
 
 def goodput(rows: Sequence[RowChoice], ns, round_time: RoundTime, step: float = 0.0, extra: float = 0.0):
     """Expected tokens per second of one step with draft lengths `ns`; `extra` seconds added."""
-    return _goodput([(r, 1) for r in rows], ns, round_time, step + extra)
+    return _scorer([(r, 1) for r in rows], round_time, step + extra)(ns)
 
 
 def choose(
@@ -141,7 +160,7 @@ def choose(
     fixed = [row.fixed for row, _ in classes]
     base = [0 if f is None else f for f in fixed]
     free = [c for c, f in enumerate(fixed) if f is None]
-    score = lambda ns: _goodput(classes, ns, round_time, step)  # noqa: E731
+    score = _scorer(classes, round_time, step)
     floor = score(base)
     best, best_score = base, floor
     for n in options:
@@ -150,7 +169,7 @@ def choose(
             best, best_score = ns, s
     for _ in range(2 * len(free) if len(free) > 1 else 0):  # steepest ascent over one-class moves
         moves = [[*best[:c], n, *best[c + 1 :]] for c in free for n in options if n != best[c]]
-        s, top = max((score(ns), ns) for ns in moves)
+        s, top = max(((score(ns), ns) for ns in moves), default=(0.0, best))
         if s <= best_score * (1 + 1e-9):
             break
         best, best_score = top, s
@@ -212,8 +231,9 @@ class DraftPlanner:
     def set_cost(self, cost: CostModel) -> None:
         """Plan from this cost model (tests pin one); its shape is the start-up profile too."""
         self.cost, self.profile = cost, cost.frozen()
-        self._alone: dict[tuple, int] = {}
-        self._held: tuple[tuple[int, ...], int] | None = None
+        self._alone: dict[RowChoice, int] = {}
+        # the free rows planned, steps the plan stands, the rows that explore this step
+        self._held: tuple[frozenset, int, frozenset] = (frozenset(), 0, frozenset())
 
     def row_choice(self, row: PlannedRow, alone: bool = False) -> RowChoice:
         """What `choose` reads of a row; a reproducible row's N is fixed but when planned `alone`."""
@@ -242,34 +262,47 @@ class DraftPlanner:
             if row.mode.adaptive and row.mode.reproducible:
                 self._plan_alone(row)
         free = [row for row in rows if _free(row)]
-        # a row due to explore, or near its end (its cap), is planned afresh
-        fresh = any(r.estimate.plain_rounds >= EXPLORE_EVERY or r.tokens_left <= self.max_n for r in free)
-        ids = tuple(id(row) for row in rows)
-        if self._held is not None and self._held[0] == ids and self._held[1] > 0 and not fresh:
-            self._held = (ids, self._held[1] - 1)
-            for row in free:
-                _counted(row, row.num_draft)
+        if not free:
             return
-        self._held = (ids, REPLAN_EVERY - 1) if free else None
-        if free:
-            self._plan(rows)
+        held, left, explored = self._held
+        if left > 0:  # the plan stands but for newcomers, explorers, rows near their end
+            moving = [
+                r for r in free
+                if id(r) not in held or id(r) in explored or r.tokens_left <= self.max_n
+                or r.estimate.plain_rounds >= EXPLORE_EVERY
+            ]  # fmt: skip
+            left -= 1
+        else:
+            moving, left = free, REPLAN_EVERY - 1
+        self._held = (frozenset(map(id, free)), left, self._plan(rows, moving))
 
-    def _plan(self, rows: Sequence[PlannedRow]) -> None:
+    def _plan(self, rows: Sequence[PlannedRow], moving: Sequence[PlannedRow]) -> frozenset:
+        """N for the `moving` free rows, the other rows' N fixed: a partial plan lets them join one
+        of the rounds the others run, or none. Returns the ids of the rows that explore."""
+        moves = {id(row) for row in moving}
+        for row in rows:
+            if _free(row) and id(row) not in moves:
+                _counted(row, row.num_draft)
+        if not moves:
+            return frozenset()
         table, step = _RoundTimes(self.cost, self.max_n), self.cost.time(Stage.STEP, len(rows))
-        choices = [self.row_choice(row) for row in rows]
-        plan = choose(choices, table, self.max_n, step, self.margin)
-        due = [
-            _free(r) and not n and r.estimate.plain_rounds >= EXPLORE_EVERY
-            for r, n in zip(rows, plan, strict=True)
+        choices = [
+            c if id(row) in moves else c._replace(fixed=row.num_draft)
+            for row, c in ((row, self.row_choice(row)) for row in rows)
         ]
-        if any(due):  # an exploring round is one round: not held
+        fixed = {row.num_draft for row in rows if _free(row) and id(row) not in moves}
+        options = sorted({0, *fixed}) if fixed else None
+        plan = choose(choices, table, self.max_n, step, self.margin, options=options)
+        due = [id(r) in moves and r.estimate.plain_rounds >= EXPLORE_EVERY for r in rows]
+        due = [d and not n for d, n in zip(due, plan, strict=True)]
+        if any(due):
             m = catch_up_size([row.draft_lag for row, d in zip(rows, due, strict=True) if d])
             extra = self.cost.time(Stage.CATCH_UP, m) if m else 0.0
             plan = explore(choices, plan, due, table, self.max_n, step, extra) or plan
-            self._held = None
         for row, n, d in zip(rows, plan, due, strict=True):
-            if _free(row):
+            if id(row) in moves:
                 _counted(row, n, d)
+        return frozenset(id(row) for row, n, d in zip(rows, plan, due, strict=True) if d and n)
 
     def _plan_alone(self, row: PlannedRow) -> None:
         """A reproducible row's N, memoised: its kind's N or 0. The kind's N is the best for a full
