@@ -394,6 +394,25 @@ def test_a_plan_stands_while_the_same_rows_run(monkeypatch):
     assert len(calls) == 3 and rows[-1].num_draft == 0  # the newcomer, the others' N fixed
 
 
+def test_a_newcomer_is_planned_with_the_standing_plan_fixed():
+    """Between full searches a row that joins is planned with the others' N fixed, at one of their
+    N or 0 (it joins a round, never opens one); the next full search may move them all."""
+    planner = DraftPlanner(overhead_bound(), MAX_N)
+    rows = [_row(lag=0) for _ in range(3)]
+    for row in rows:
+        row.estimate.observe([0.9] * 40)
+    planner.assign(rows)
+    standing = [row.num_draft for row in rows]
+    assert len(set(standing)) == 1 and standing[0] > 0
+    newcomer = _row(lag=0)
+    newcomer.estimate.observe([0.3] * 40)
+    planner.assign([*rows, newcomer])
+    assert [row.num_draft for row in rows] == standing and newcomer.num_draft in (0, standing[0])
+    for _ in range(REPLAN_EVERY):  # to the next full search, which plans all four together
+        planner.assign([*rows, newcomer])
+    assert [row.num_draft for row in rows] != standing  # (here: one N less for all)
+
+
 def test_the_planner_learns_each_stage_apart():
     """A round's stage times go to the cost model under one name each: the draft phase per step
     less the catch-up it ran (a lagging draft's forward over M tokens, learned as such), the bonus
