@@ -181,10 +181,10 @@ def choose(
 def explore(rows, plan, due, round_time, max_n: int, step=0.0, catch_up=0.0, max_loss=EXPLORE_LOSS):
     """`plan` with the rows `due` drafting at their best common n, if its goodput with `catch_up`
     seconds added is within `max_loss` of `plan`'s; else None."""
-    floor = goodput(rows, plan, round_time, step)
+    classes = [(row, 1) for row in rows]
+    floor, trial = _scorer(classes, round_time, step)(plan), _scorer(classes, round_time, step + catch_up)
     trials = [[n if d else k for d, k in zip(due, plan, strict=True)] for n in range(1, max_n + 1)]
-    rated = [(goodput(rows, t, round_time, step, catch_up), t) for t in trials]
-    score, best = max(rated, key=lambda st: st[0])
+    score, best = max(((trial(t), t) for t in trials), key=lambda st: st[0])
     return best if score >= (1 - max_loss) * floor else None
 
 
