@@ -313,7 +313,8 @@ class DraftPlanner:
         drafted where it did not pay (0.63-0.72x plain decoding, the embedded pair); with an N of
         their own each, or exploring each on its own clock, a batch of them ran two or three
         rounds a step (0.75-0.81x)."""
-        choice = self.row_choice(row, alone=True)
+        # without its cap: near its end a row drafting for nothing costs less than a round apart
+        choice = self.row_choice(row, alone=True)._replace(cap=None)
         n = self._alone.get(choice)
         if n is None:
             table, clones = _RoundTimes(self.profile, self.max_n), [choice] * self.alone_batch
