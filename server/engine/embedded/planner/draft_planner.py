@@ -23,14 +23,14 @@ Terms (β and its estimates: `acceptance.py`; round times: `cost_model.py`)
               round can pay only once another has left the shared one); drafting only if that
               beats n = 0 by `MARGIN` (predictions err, and n = 0 is the safe side).
     explore   a row learns acceptance only from rounds that draft. One planned at n = 0 for
-              `EXPLORE_EVERY` rounds drafts for one round if that is predicted to lose at most
+              `EXPLORE_EVERY` rounds drafts for one round (at the next full plan, so after 8 to
+              16 plain rounds) if that is predicted to lose at most
               `EXPLORE_LOSS` of the step's goodput (its catch-up counted whole): at most ~1 % of
               the tokens where drafting is a near miss, never where it is far off. It also
               re-times the draft where the profile overprices it.
-    hold      a plan stands for `REPLAN_EVERY` steps; rows that join meanwhile, rows due to
-              explore or that just did, and rows whose end now caps their drafts, are planned
-              with the others' N fixed, at one of their N or 0 (they join a round, never open one
-              but to explore).
+    hold      a plan stands for `REPLAN_EVERY` steps; rows that join meanwhile, rows that just
+              explored, and rows drafting past their end are planned with the others' N fixed,
+              at one of their N or 0 (they join a round, never open one).
               Acceptance and costs move over many rounds, while a full search at 8 rows of
               several classes costs ~0.4 ms, a sixth of the embedded pair's step.
 
@@ -265,35 +265,36 @@ class DraftPlanner:
         if not free:
             return
         held, left, explored = self._held
-        if left > 0:  # the plan stands but for newcomers, explorers, rows near their end
+        if left > 0:  # the plan stands but for newcomers, explorers, rows drafting past their end
             moving = [
-                r for r in free
-                if id(r) not in held or id(r) in explored or r.tokens_left <= self.max_n
-                or r.estimate.plain_rounds >= EXPLORE_EVERY
-            ]  # fmt: skip
+                r for r in free if id(r) not in held or id(r) in explored or r.num_draft >= r.tokens_left
+            ]
             left -= 1
         else:
             moving, left = free, REPLAN_EVERY - 1
-        self._held = (frozenset(map(id, free)), left, self._plan(rows, moving))
+        self._held = (frozenset(map(id, free)), left, self._plan(rows, moving, explore_due=moving is free))
 
-    def _plan(self, rows: Sequence[PlannedRow], moving: Sequence[PlannedRow]) -> frozenset:
+    def _plan(self, rows: Sequence[PlannedRow], moving: Sequence[PlannedRow], explore_due: bool) -> frozenset:
         """N for the `moving` free rows, the other rows' N fixed: a partial plan lets them join one
-        of the rounds the others run, or none. Returns the ids of the rows that explore."""
+        of the rounds the others run, or none. Rows due to explore do so in a full plan
+        (`explore_due`). Returns the ids of the rows that explore."""
         moves = {id(row) for row in moving}
         for row in rows:
             if _free(row) and id(row) not in moves:
                 _counted(row, row.num_draft)
-        if not moves:
+        fixed = {row.num_draft for row in rows if _free(row) and id(row) not in moves}
+        if not moves or fixed == {0}:  # nothing to plan, or nothing to join but plain rounds
+            for row in moving:
+                _counted(row, 0)
             return frozenset()
         table, step = _RoundTimes(self.cost, self.max_n), self.cost.time(Stage.STEP, len(rows))
         choices = [
             c if id(row) in moves else c._replace(fixed=row.num_draft)
             for row, c in ((row, self.row_choice(row)) for row in rows)
         ]
-        fixed = {row.num_draft for row in rows if _free(row) and id(row) not in moves}
         options = sorted({0, *fixed}) if fixed else None
         plan = choose(choices, table, self.max_n, step, self.margin, options=options)
-        due = [id(r) in moves and r.estimate.plain_rounds >= EXPLORE_EVERY for r in rows]
+        due = [explore_due and _free(r) and r.estimate.plain_rounds >= EXPLORE_EVERY for r in rows]
         due = [d and not n for d, n in zip(due, plan, strict=True)]
         if any(due):
             m = catch_up_size([row.draft_lag for row, d in zip(rows, due, strict=True) if d])
