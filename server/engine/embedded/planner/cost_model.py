@@ -85,7 +85,7 @@ class CostModel:
         self.overhead: dict[Stage, dict[int, float]] = {s: {} for s in OVERHEADS}
         self.updates = 0
         self._curves: dict[tuple, tuple[list[int], list[float]]] = {}
-        self._lines: dict[tuple[int, int], list[tuple[float, float]]] = {}  # (R, max_n) -> shapes
+        self._lines: dict[tuple[int, int], tuple[float, float]] = {}  # (R, n) -> score, check shapes
 
     # -- the shape -------------------------------------------------------------------------
     def set(self, stage: Stage | str, r: int, t: int, seconds: float) -> None:
@@ -136,22 +136,22 @@ class CostModel:
             return measured.get(r) or measured[min(measured, key=lambda k: abs(k - r))]
         return self.shape(_PRICED_AS.get(stage, stage), r, t) * self.factor(stage)
 
-    def round_times(self, r: int, max_n: int) -> list[float]:
-        """`round_time(r, n)` for n = 0..max_n: the shape's lines (read once per R and length:
-        the shape is frozen) times this moment's factors."""
-        key = (r, max_n)
-        if key not in self._lines:
-            self._lines[key] = [
-                (self.shape(Stage.SCORE, r, n + 1), self.shape(Stage.CHECK, r, n)) for n in range(max_n + 1)
-            ]
-        draft, other = self.time(Stage.DRAFT, r), self.time(Stage.OTHER, r)
-        score, check = self.factor(Stage.SCORE), self.factor(Stage.CHECK)
-        return [n * draft + score * s + check * c + other for n, (s, c) in enumerate(self._lines[key])]
-
     def round_time(self, r: int, n: int, bonus: float = 0.0) -> float:
         """Predicted seconds of one round of R rows at draft length n with `bonus` expected
-        bonus steps."""
-        return self.round_times(r, n)[n] + bonus * self.time(Stage.DRAFT, r)
+        bonus steps: the shape's target forward and check (read once per (R, n): the shape is
+        frozen) times this moment's factors."""
+        if (r, n) not in self._lines:
+            self._lines[r, n] = (self.shape(Stage.SCORE, r, n + 1), self.shape(Stage.CHECK, r, n))
+        score, check = self._lines[r, n]
+        return (
+            (n + bonus) * self.time(Stage.DRAFT, r)
+            + self.factor(Stage.SCORE) * score
+            + self.factor(Stage.CHECK) * check
+            + self.time(Stage.OTHER, r)
+        )
+
+    def round_times(self, r: int, max_n: int) -> list[float]:
+        return [self.round_time(r, n) for n in range(max_n + 1)]
 
     def draft_only_round_time(self, r: int, n: int) -> float:
         return n * self.time(Stage.DRAFT_ONLY, r) + self.time(Stage.OTHER, r)
