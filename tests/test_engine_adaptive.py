@@ -114,6 +114,52 @@ class _Row:
     mode = RowMode(adaptive=True, draft_only=True)
 
 
+def test_quality_zero_rows_of_different_lengths_share_one_round_a_step(engine):
+    """Draft-only rows run one round a step, as long as the most any of them has left; the rows
+    with fewer left stop where they should, with the tokens they get alone (the round's draws are
+    the first of each row's stream). One round a length instead was 0.78x plain decoding at batch
+    32 on CUDA."""
+    import threading
+
+    max_n = engine.config.max_num_draft
+    lengths = [max_n // 2, max_n, max_n + max_n // 2, 2 * max_n]  # draft-only rows draw all in rounds
+    ids = tuple(engine.encode_chat([{"role": "user", "content": "Tom has 12 apples"}]))
+
+    def req(i):
+        sampling = SamplingOptions(max_tokens=lengths[i], seed=50 + i, ignore_eos=True)
+        return GenerationRequest(f"q{i}", ids, sampling, Verification(weight=0.0))
+
+    def collect(requests, together):
+        out, done = {r.request_id: [] for r in requests}, threading.Semaphore(0)
+
+        def sink_for(rid):
+            def sink(item):
+                out[rid].append(item)
+                if isinstance(item, BaseException) or item.finish_reason is not None:
+                    done.release()
+
+            return sink
+
+        sched = engine.scheduler
+        if together:  # queued while stopped, so the first step admits them all
+            sched.stop()
+        for r in requests:
+            engine.submit(r, sink_for(r.request_id))
+        if together:
+            sched.timers.reset()
+            sched.start()
+        for _ in requests:
+            assert done.acquire(timeout=60)
+        return {rid: [t for c in chunks for t in c.token_ids] for rid, chunks in out.items()}
+
+    alone = {}
+    for i in range(len(lengths)):
+        alone.update(collect([req(i)], together=False))
+    together = collect([req(i) for i in range(len(lengths))], together=True)
+    assert together == alone and [len(alone[f"q{i}"]) for i in range(len(lengths))] == lengths
+    assert engine.scheduler.timers.rounds == 2  # 2·max_n tokens; a round per length: 4
+
+
 def test_a_pinned_n_keeps_quality_zero_speculative(engine):
     stats = _run(engine, weight=0.0, num_draft=2, n=2)
     assert all(s.draft_only_tokens == 0 and s.acceptance_rate == 1.0 and s.drafts > 0 for s in stats)

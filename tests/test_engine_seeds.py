@@ -69,6 +69,9 @@ def _request(engine, rid: str, text: str, seed: int | None, max_tokens: int, **k
 
 
 def _seeded(engine) -> list[GenerationRequest]:
+    # 40 tokens, a multiple of max_n (8): the quality-0 row's rounds are max_n long alone and in any
+    # batch (a batch's draft-only round is as long as the most any of its rows has left), so its N
+    # sequence is comparable too.
     return [_request(engine, f"s{i}", f"prompt {i}", 100 + i, 40, **spec) for i, spec in enumerate(SEEDED)]
 
 

@@ -14,9 +14,11 @@ decoding, n tokens per round:
                                       the pending tokens and x_1..x_{n-1} (x_n is pending next)
 
 Tokens are ν's exactly: x_i ~ q(· | prefix) is the ensemble's law at w = 0, position by position.
-n (`DraftPlanner.assign`) is the engine's max draft length capped by the tokens the request has
-left: more tokens per round spread the round's fixed costs, while the round stays as long as a
-speculative one. The target cache is never filled (`Row.tlen` stays 0), so only rows that can
+n (`DraftPlanner.assign`) is the engine's max draft length capped by the most tokens a row of the
+group has left: more tokens per round spread the round's fixed costs, while the round stays as
+long as a speculative one. Rows with fewer left keep what they need and stop (`Row.emit_tokens`);
+the draws past their end cost a little compute, where a round of their own would cost n fixed
+draft steps more. The target cache is never filled (`Row.tlen` stays 0), so only rows that can
 never need the target run here (`RowMode.draft_only`: static w = 0, ensemble, not pinned to an N).
 """
 

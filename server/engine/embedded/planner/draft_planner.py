@@ -250,9 +250,14 @@ class DraftPlanner:
         return RowChoice(_grid(beta), row.mode.draws_nu, fixed, catchup, cap)
 
     def assign(self, rows: Sequence[PlannedRow]) -> None:
-        for row in rows:
-            if row.mode.draft_only:  # the draft's own decoding (`draft_only.py`): no choice to make
-                row.num_draft = max(1, min(self.max_n, row.tokens_left))
+        draft_only = [row for row in rows if row.mode.draft_only]
+        if draft_only:  # the draft's own decoding (`draft_only.py`): one round, as long as the most
+            # any row has left. Rows with fewer left ride along: they emit what they have left, the
+            # same tokens (a round's draws are the first of its row's stream), so one round a step
+            # replaces one per distinct length (at batch 32 on CUDA, ~6 a step: 0.78x plain decoding).
+            n = max(1, min(self.max_n, max(row.tokens_left for row in draft_only)))
+            for row in draft_only:
+                row.num_draft = n
         rows = [row for row in rows if not row.mode.draft_only]
         if self.force is not None:
             for row in rows:
