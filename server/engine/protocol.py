@@ -171,6 +171,10 @@ class SpecStats:
     # target (`draft_only.py`); such tokens are neither proposed nor verified.
     draft_only_tokens: int = 0
 
+    def snapshot(self) -> SpecStats:
+        """A copy for one chunk (the row goes on counting); a fifth of `copy.deepcopy`'s host time."""
+        return replace(self, accepted_per_position=list(self.accepted_per_position))
+
     @property
     def acceptance_rate(self) -> float | None:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None

@@ -15,7 +15,6 @@ Terms
 
 from __future__ import annotations
 
-import copy
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -256,7 +255,7 @@ class Row:
         return TokenLogprob(*self.token_bytes(token_id), raw.logprob, top)
 
     def send(self, chunk: GenerationChunk) -> None:
-        chunk.stats = copy.deepcopy(self.stats)
+        chunk.stats = self.stats.snapshot()
         self.sink(chunk)
 
     def fail(self, exc: Exception) -> None:
