@@ -106,7 +106,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"identical": same / len(a), "mean_prefix_fraction": sum(prefix) / len(prefix)}
 
 
-def engine_main(out: Path, waves: int, trials: int) -> int:
+def engine_main(out: Path, waves: int | tuple[int, ...], trials: int) -> int:
     import torch
     from transformers import AutoTokenizer
 
@@ -299,7 +299,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("step", choices=("engine", "report", "bench"))
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--waves", type=int, default=8)
+    # c = 32 runs 4x the passes: at one pass per 8 the run lasts ~0.5 s on an H100 and its trials
+    # differed by 20-40 % (docs/gpu-results.md, 2026-11-24)
+    ap.add_argument("--waves", default="8,8,32", help="passes over the prompts, one or one per concurrency")
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--device-label", default="GPU")
     ap.add_argument("--pairs", default=",".join(BENCH_PAIRS), help=f"bench: some of {','.join(BENCH_PAIRS)}")
@@ -311,7 +313,8 @@ def main() -> int:
             ap.error(f"--pairs takes some of {','.join(BENCH_PAIRS)}, got {args.pairs!r}")
         return bench_main(args.out, pairs, args.work)
     if args.step == "engine":
-        return engine_main(args.out, args.waves, args.trials)
+        waves = tuple(int(w) for w in args.waves.split(","))
+        return engine_main(args.out, waves[0] if len(waves) == 1 else waves, args.trials)
     return report_main(args.out, args.device_label)
 
 
