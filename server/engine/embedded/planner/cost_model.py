@@ -136,22 +136,30 @@ class CostModel:
             return measured.get(r) or measured[min(measured, key=lambda k: abs(k - r))]
         return self.shape(_PRICED_AS.get(stage, stage), r, t) * self.factor(stage)
 
-    def round_time(self, r: int, n: int, bonus: float = 0.0) -> float:
+    def round_time(self, r: int, n: int, bonus: float = 0.0, per_round: tuple | None = None) -> float:
         """Predicted seconds of one round of R rows at draft length n with `bonus` expected
         bonus steps: the shape's target forward and check (read once per (R, n): the shape is
-        frozen) times this moment's factors."""
+        frozen) times this moment's factors. `per_round`: `_per_round(r)`, if already read."""
         if (r, n) not in self._lines:
             self._lines[r, n] = (self.shape(Stage.SCORE, r, n + 1), self.shape(Stage.CHECK, r, n))
         score, check = self._lines[r, n]
-        return (
-            (n + bonus) * self.time(Stage.DRAFT, r)
-            + self.factor(Stage.SCORE) * score
-            + self.factor(Stage.CHECK) * check
-            + self.time(Stage.OTHER, r)
-        )
+        draft, score_factor, check_factor, other = per_round or self._per_round(r)
+        return (n + bonus) * draft + score_factor * score + check_factor * check + other
 
     def round_times(self, r: int, max_n: int) -> list[float]:
-        return [self.round_time(r, n) for n in range(max_n + 1)]
+        """`round_time` for n = 0..max_n, what does not depend on n read once (a plan reads these
+        per batch size; reading them per n was half of the planner's time)."""
+        per_round = self._per_round(r)
+        return [self.round_time(r, n, per_round=per_round) for n in range(max_n + 1)]
+
+    def _per_round(self, r: int) -> tuple[float, float, float, float]:
+        """(draft step, target factor, check factor, other) at R rows: a round's parts but n."""
+        return (
+            self.time(Stage.DRAFT, r),
+            self.factor(Stage.SCORE),
+            self.factor(Stage.CHECK),
+            self.time(Stage.OTHER, r),
+        )
 
     def draft_only_round_time(self, r: int, n: int) -> float:
         return n * self.time(Stage.DRAFT_ONLY, r) + self.time(Stage.OTHER, r)
