@@ -52,6 +52,19 @@ def test_implements_protocol(engine):
     assert engine.info.backend == "embedded" and engine.info.has_head and engine.info.num_draft == 3
 
 
+def test_each_chunk_carries_the_counters_as_of_that_chunk(engine):
+    """A chunk's stats are a snapshot: later rounds do not reach back into them (each chunk's
+    per-position acceptances add up to its own accepted tokens, and the counters only grow)."""
+    _, _, chunks = asyncio.run(_collect(engine, _req(engine, "hello there", 3, weight=0.5, max_tokens=32)))
+    stats = [c.stats for c in chunks]
+    assert len(stats) > 3 and len({id(s) for s in stats}) == len(stats)
+    for s in stats:
+        assert sum(s.accepted_per_position) == s.accepted_tokens
+    steps = [s.verify_steps for s in stats]
+    assert steps == sorted(steps) and steps[0] < steps[-1]
+    assert stats[0].accepted_tokens <= stats[-1].accepted_tokens
+
+
 def test_mixed_weights_in_one_batch_equal_running_alone(engine):
     """Rows with different w, policies, temperatures, N and modes share steps; seeds make each
     row's output independent of its batch-mates (6 requests over 4 slots also exercises the queue)."""
