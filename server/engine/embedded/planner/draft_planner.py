@@ -36,10 +36,11 @@ Terms (β and its estimates: `acceptance.py`; round times: `cost_model.py`)
 
 Reproducible rows (`RowMode.reproducible`: seeded or greedy). A row's tokens are a function of its
 prompt, its own random stream and its sequence of N. The live plan reads measured costs (the
-host's load), the batch, the pools; so a reproducible row is planned alone: its own evidence over
-the constant prior (`acceptance.py`) and the frozen start-up profile, for a full batch of rows like
-it and at one N per kind (`_plan_alone`: a plan that cannot see its batch must not cost it).
-Its N sequence, and with it its output, is the same in any batch under any load.
+host's load), the batch, the pools; so a reproducible row is planned alone, at its kind's N: the
+one that gains most over plain decoding both alone and in a full batch, at the kind's constant
+prior (`acceptance.py`) on the frozen start-up profile (`_plan_alone`: a plan that cannot see its
+batch must not cost it). Its N sequence, and with it its output, is the same in any batch under
+any load.
 
 Why not randomness keyed by position instead: docs/algorithm.md ("Choosing N").
 """
@@ -235,8 +236,8 @@ class DraftPlanner:
         # the free rows planned, steps the plan stands, the rows that explore this step
         self._held: tuple[frozenset, int, frozenset] = (frozenset(), 0, frozenset())
 
-    def row_choice(self, row: PlannedRow, alone: bool = False) -> RowChoice:
-        """What `choose` reads of a row; a reproducible row's N is fixed but when planned `alone`."""
+    def row_choice(self, row: PlannedRow) -> RowChoice:
+        """What `choose` reads of a row; a reproducible row's N is fixed (`_plan_alone`)."""
         reproducible = row.mode.reproducible
         beta = self.acceptance.beta(row, alone=reproducible)
         catchup = 0.0
@@ -246,7 +247,7 @@ class DraftPlanner:
             seconds = model.time(Stage.CATCH_UP, row.draft_lag - 1) / rounds_left
             catchup = float(f"{2.0 ** (round(4 * math.log2(seconds)) / 4):.4g}") if seconds > 0 else 0.0
         cap = row.tokens_left - 1 if row.tokens_left <= self.max_n else None
-        fixed = None if row.mode.adaptive and (alone or not reproducible) else row.num_draft
+        fixed = None if _free(row) else row.num_draft
         return RowChoice(_grid(beta), row.mode.draws_nu, fixed, catchup, cap)
 
     def assign(self, rows: Sequence[PlannedRow]) -> None:
@@ -311,26 +312,23 @@ class DraftPlanner:
         return frozenset(id(row) for row, n, d in zip(rows, plan, due, strict=True) if d and n)
 
     def _plan_alone(self, row: PlannedRow) -> None:
-        """A reproducible row's N, memoised: its kind's N or 0. The kind's N is the best for a full
-        batch (`alone_batch`, the engine's max_batch) of rows at the kind's constant prior, on the
-        profile; the row's own evidence (and lag, tokens left) decides whether drafting at it pays
-        for such a batch. Why a full batch, one N per kind and no exploring: a plan that cannot
-        see its batch must not cost the batch. Planned for one row, seeded rows in a batch of 8
-        drafted where it did not pay (0.63-0.72x plain decoding, the embedded pair); with an N of
-        their own each, or exploring each on its own clock, a batch of them ran two or three
-        rounds a step (0.75-0.81x)."""
-        # without its cap: near its end a row drafting for nothing costs less than a round apart
-        choice = self.row_choice(row, alone=True)._replace(cap=None)
-        n = self._alone.get(choice)
-        if n is None:
-            table, clones = _RoundTimes(self.profile, self.max_n), [choice] * self.alone_batch
-            kind = RowChoice(_grid(self.acceptance.prior(row, alone=True)), choice.draws_nu)
-            kind_n = choose([kind] * self.alone_batch, table, self.max_n, 0.0, self.margin)[0]
-            n = choose(clones, table, self.max_n, 0.0, self.margin, options=(0, kind_n))[0]
-            if len(self._alone) > 4096:
-                self._alone.clear()
-            self._alone[choice] = n
-        row.num_draft = n
+        """A reproducible row's N: its kind's (memoised), the N whose gain over plain decoding is
+        largest at the kind's constant prior on the profile, taking the smaller of its gains alone
+        and in a full batch (`alone_batch`, the engine's max_batch); drafting only where that
+        beats N = 0 by the margin. A plan that cannot see its batch must not cost it at either
+        end, so nothing the row learns moves it either: rows of a kind share one round. Measured
+        on the embedded pair, seeded, c = 8: planned for one row, 0.63-0.72x plain decoding; at
+        an N of its own each, 0.75-0.81x; at the kind's N or 0 by its own evidence (and lag),
+        lite 0.76x, split between the two, and at c = 1 on Qwen shapes no tier drafted (0.85-0.96x;
+        now 1.25-1.45x: docs/bench/planner-ab.md, "Seeded requests")."""
+        kind = RowChoice(_grid(self.acceptance.prior(row, alone=True)), row.mode.draws_nu)
+        if kind not in self._alone:
+            table, batches = _RoundTimes(self.profile, self.max_n), {1, self.alone_batch}
+            rate = lambda n, b: goodput([kind] * b, [n] * b, table)  # noqa: E731
+            gain = lambda n: min(rate(n, b) / rate(0, b) for b in batches)  # noqa: E731
+            best = max(range(1, self.max_n + 1), key=gain)
+            self._alone[kind] = best if gain(best) >= 1 + self.margin else 0
+        row.num_draft = self._alone[kind]
 
     def predict(self, rows: Sequence[PlannedRow], n: int) -> tuple[float, float]:
         """(live model, start-up profile) seconds of one round of `rows` at draft length n."""
