@@ -67,7 +67,7 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     # Same seed + same request -> same output on one embedded engine, batched or alone, under any
-    # load: a seeded (or greedy) row's adaptive N follows its own history alone (README, "Seeds").
+    # load: a seeded (or greedy) row's adaptive N is its tier's, from the start-up profile (README, "Seeds").
     seed: int | None = None
     ignore_eos: bool = False  # keep going past EOS (benchmarks); explicit stop_token_ids still stop
 
