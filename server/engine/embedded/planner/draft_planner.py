@@ -319,8 +319,8 @@ class DraftPlanner:
         end, so nothing the row learns moves it either: rows of a kind share one round. Measured
         on the embedded pair, seeded, c = 8: planned for one row, 0.63-0.72x plain decoding; at
         an N of its own each, 0.75-0.81x; at the kind's N or 0 by its own evidence (and lag),
-        lite 0.76x, split between the two, and at c = 1 on Qwen shapes no tier drafted (0.85-0.96x;
-        now 1.25-1.45x: docs/bench/planner-ab.md, "Seeded requests")."""
+        lite 0.76x, split between the two, and at c = 1 on Qwen shapes no tier drafted (0.88-1.13x;
+        now 1.15-1.49x: docs/bench/planner-ab.md, "Seeded requests")."""
         kind = RowChoice(_grid(self.acceptance.prior(row, alone=True)), row.mode.draws_nu)
         if kind not in self._alone:
             table, batches = _RoundTimes(self.profile, self.max_n), {1, self.alone_batch}
