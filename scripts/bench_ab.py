@@ -25,21 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-# `dialspec bench engine` without the rest of the CLI, whose gateway needs packages a bare GPU node
-# (torch, triton, transformers) does not have.
-BENCH_ENGINE = (
-    "import argparse, sys\n"
-    "from server.engine.embedded.bench import cli\n"
-    "parser = argparse.ArgumentParser(prog='bench')\n"
-    "cli.register(parser.add_subparsers())\n"
-    "args = parser.parse_args(sys.argv[1:])\n"
-    "sys.exit(int(args.func(args) or 0))\n"
-)
-
 
 def _run(tree: Path, bench_args: list[str], out: Path, python: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [python, "-c", BENCH_ENGINE, "bench", "engine", *bench_args, "--out", str(out.resolve())]
+    # the bench alone: a bare GPU node lacks the gateway's packages, which the full CLI imports
+    cmd = [python, "-m", "server.engine.embedded.bench", "engine", *bench_args, "--out", str(out.resolve())]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     print(f"  {out.name}: {time.perf_counter() - t0:.0f} s", flush=True)

@@ -360,3 +360,23 @@ def test_forced_acceptance_accepts_each_draft_with_probability_one_minus_w_tv():
         assert mean == pytest.approx(beta + beta**2 + beta**3, abs=0.035)
         for k, toks, x in zip(out.num_accepted, out.tokens, drafts.tokens.tolist(), strict=True):
             assert toks[:k] == x[:k] and 0 <= toks[k] < vocab and toks[k + 1 :] == [-1] * (n - k)
+
+
+def test_the_bench_runs_alone_without_the_gateways_packages():
+    """`python -m server.engine.embedded.bench engine` is how a bare GPU node (no FastAPI) runs the
+    bench (`scripts/bench_ab.py` too): it must not import the gateway, and a mistake is one line."""
+    import subprocess
+    import sys
+
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['fastapi'] = None  # any import of it raises\n"
+        "sys.argv = ['bench', 'engine', '--concurrency', '0']\n"
+        "runpy.run_module('server.engine.embedded.bench', run_name='__main__')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "python -m server.engine.embedded.bench: error: need concurrency >= 1, --max-tokens >= 1 "
+        "and 1 <= --max-num-draft <= 16"
+    ]
