@@ -23,6 +23,22 @@ def test_round_time_composes_the_stages():
     assert m.round_time(2, 3, bonus=0.5) == pytest.approx(3.5 * 0.01 + 0.05 + 0.002 + 0.003)
 
 
+def test_a_rounds_draft_steps_are_priced_at_their_mean_over_its_n_and_a_bonus_step_as_the_first():
+    """The profile times a round's n draft steps together (the first follows the target's forward,
+    with the draft's weights out of cache; the next ones follow the draft's own): a step's price
+    depends on n. A bonus step follows the target's forward, as a round's first step does."""
+    m = CostModel()
+    m.set("draft", 1, 1, 0.004)  # one step: cold
+    m.set("draft", 1, 4, 0.0025)  # four: one cold, three warm
+    m.set("score", 1, 1, 0.01)
+    m.set("score", 1, 5, 0.01)  # the target's forward costs the same at T = 1..5 here
+    assert m.round_time(1, 4) == pytest.approx(4 * 0.0025 + 0.01)
+    assert m.round_time(1, 2) == pytest.approx(2 * 0.0035 + 0.01)  # linear between n = 1 and 4
+    assert m.round_time(1, 4, bonus=0.5) == pytest.approx(4 * 0.0025 + 0.5 * 0.004 + 0.01)
+    m.observe("draft", 1, 4, 0.005)  # a round's draft phase ran at twice its price
+    assert m.round_time(1, 4) == pytest.approx(4 * 0.005 + 0.01) and m.time("bonus", 1) == pytest.approx(0.008)
+
+
 def test_the_shape_interpolates_over_tokens_per_forward_and_never_falls():
     m = CostModel()
     m.set("score", 1, 1, 1.0)
@@ -173,8 +189,36 @@ def test_first_call_costs_do_not_eat_the_profile_budget(models, monkeypatch):
 
 
 def test_a_tiny_budget_still_measures_the_first_point(models):
+    """The first point is a plain round at batch 1 (N = 0: what every tier is measured against)."""
     m = profile(models, max_batch=4, max_num_draft=8, budget_s=0.0)
-    assert list(m.points) == ["score"] and (1, 1) in m.points["score"]
+    assert m.points.keys() == {"score", "check"} and (1, 1) in m.points["score"] and (1, 0) in m.points["check"]
+
+
+def test_the_profile_times_each_stage_where_a_round_runs_it(models, monkeypatch):
+    """Each point is a round's stages in a round's order: n draft steps, the target's forward over
+    n + 1 tokens, the check; a catch-up alone. Every round a planner chooses between is priced
+    from such points: at batch 1 and the largest, N = 0, 1 and N_max, and a check with no drafts."""
+    from server.engine.embedded.planner import cost_profile
+
+    calls: list[tuple[str, int, int]] = []
+    real_run = cost_profile._Stages.run
+    monkeypatch.setattr(cost_profile, "WARM_UP_S", 0.0)
+
+    def spy(self, stage, r, t):
+        calls.append((str(stage), r, t))
+        return real_run(self, stage, r, t)
+
+    monkeypatch.setattr(cost_profile._Stages, "run", spy)
+    m = profile(models, max_batch=4, max_num_draft=3, budget_s=5.0)
+    warm_up = [("draft", 1, 1), ("score", 1, 2), ("check", 1, 1)]
+    assert calls[:3] == warm_up  # one round before the clock (WARM_UP_S = 0 here)
+    one_round = [("draft", 4, 1)] * 3 + [("score", 4, 4), ("check", 4, 3)]  # R = 4, n = 3
+    rounds = [calls[i : i + 5] for i in range(len(calls) - 4)]
+    assert one_round in rounds
+    assert {(1, 0), (4, 0), (1, 3), (4, 3)} <= set(m.points["check"])
+    assert {(1, 1), (1, 3), (4, 1), (4, 3)} <= set(m.points["draft"])  # (R, n): a step's mean over n
+    assert {(r, t) for r in (1, 4) for t in range(1, 5)} <= set(m.points["score"])
+    assert ("catch_up", min(64, models.draft_cache.shape.max_seq // 2), 1) in calls
 
 
 def test_cache_is_keyed_by_shape_device_dtype_and_code(models, tmp_path):

@@ -2,13 +2,15 @@
 
 Terms
     R, n, T   rows in a round, its draft length, and tokens per row in one forward (T = n + 1
-              for the target's).
+              for the target's); for a draft step, T = n: its mean over a round's n steps (the
+              first follows the target's forward, the next ones the draft's own).
     M         tokens one forward processes, what a stage's cost mostly depends on: R·T for the
               target, R for a draft step, R·(n + 1) for the check, L for a catch-up over L tokens.
-    shape     seconds per `Stage` from the points profiled at start (`cost_profile.py`),
+    shape     seconds per `Stage` from the rounds profiled at start (`cost_profile.py`),
               frozen: linear over T between a batch size's own points, else over M between all
               points (equal M averaged), proportional to M past the last; non-decreasing either
-              way (one noisy point cannot make a longer forward read cheaper). A stage with no
+              way (one noisy point cannot make a longer forward read cheaper), but a draft step's
+              mean over n steps, which falls with n where the first step is the dearest. A stage with no
               points of its own (a catch-up, a draft-only step) takes the draft step's at M.
     speed     log of how much slower than profiled the host runs now, read from the one stage
               every speculative round runs: the target's forward. An exponential average of
@@ -19,17 +21,17 @@ Terms
     overhead  `other` (per round) and `step` (per scheduler step), by R: the engine's Python,
               not profiled; an exponential average per R of what was measured, 0 until then.
 
-    round(R, n, b) = (n + b)·draft(R) + score(R, n + 1) + check(R, n) + other(R)
-    with b the expected bonus steps (rows that draw the bonus from ν), and stage = shape ·
-    exp(speed + relative).
+    round(R, n, b) = n·draft(R, n) + b·draft(R, 1) + score(R, n + 1) + check(R, n) + other(R)
+    with b the expected bonus steps (rows that draw the bonus from ν: a draft step after the
+    target's forward, as a round's first is), and stage = shape · exp(speed + relative).
 
 Why two factors, not one per stage: a host that slows down or speeds up (this one swings by 2x
 over minutes) is seen by every round, plain ones included, and must move the price of drafting
 with it; otherwise, after a fast spell re-timed plain rounds only, drafting stayed priced at the
-old speed and the planner never drafted again. What the profile gets wrong about one stage
-relative to the target (on a small pair a draft step right after the target's forward runs ~35 %
-slower than in the profile's tight loop; a draft-only loop keeps the draft's weights in cache and
-runs faster) is learned where that stage runs. Drafting that the profile underprices is corrected
+old speed and the planner never drafted again. What the profile's dummy inputs get wrong about
+one stage relative to the target (the engine's draft phase also feeds the drafts and builds masks;
+a draft-only loop keeps the draft's weights in cache and runs faster than a round's draft step) is
+learned where that stage runs. Drafting that the profile underprices is corrected
 by the rounds it runs; drafting it overprices by the planner's exploration (`draft_planner.py`).
 """
 
@@ -43,7 +45,7 @@ from enum import StrEnum
 class Stage(StrEnum):
     """A decoding step's stages: what the round times (`timers.py`) and this model prices."""
 
-    DRAFT = "draft"  # one draft step of R rows between target forwards, with its sampling
+    DRAFT = "draft"  # a draft step of R rows with its sampling (priced as its mean over n steps)
     BONUS = "bonus"  # a draft step for q after the last proposal (rows that draw from ν)
     SCORE = "score"  # one target forward over N + 1 tokens per row, with p
     CHECK = "check"  # ensemble weights, `verifier.verify`, the results read back
@@ -75,7 +77,7 @@ def size(stage: Stage, r: int, t: int) -> int:
 
 class CostModel:
     """Seconds per stage by (stage, R, T): T is the target's tokens per row for `score`, n for
-    `check`, else 1; R is the tokens M for `catch_up`. `round_time` composes one round."""
+    `check` and `draft`, else 1; R is the tokens M for `catch_up`. `round_time` composes one round."""
 
     def __init__(self, meta: dict | None = None):
         self.points: dict[Stage, dict[tuple[int, int], float]] = {}
@@ -85,7 +87,7 @@ class CostModel:
         self.overhead: dict[Stage, dict[int, float]] = {s: {} for s in OVERHEADS}
         self.updates = 0
         self._curves: dict[tuple, tuple[list[int], list[float]]] = {}
-        self._lines: dict[tuple[int, int], tuple[float, float]] = {}  # (R, n) -> score, check shapes
+        self._lines: dict[tuple[int, int], tuple[float, ...]] = {}  # (R, n) -> drafts, score, check shapes
 
     # -- the shape -------------------------------------------------------------------------
     def set(self, stage: Stage | str, r: int, t: int, seconds: float) -> None:
@@ -103,8 +105,10 @@ class CostModel:
                 if r is None or rr == r:
                     by_x.setdefault(size(stage, rr, t) if r is None else t, []).append(s)
             xs, values, top = sorted(by_x), [], 0.0
+            per_step = stage == Stage.DRAFT and r is not None  # a mean over n steps may fall with n
             for x in xs:
-                top = max(top, sum(by_x[x]) / len(by_x[x]))
+                mean = sum(by_x[x]) / len(by_x[x])
+                top = mean if per_step else max(top, mean)
                 values.append(top)
             self._curves[key] = (xs, values)
         return self._curves[key]
@@ -138,13 +142,15 @@ class CostModel:
 
     def round_time(self, r: int, n: int, bonus: float = 0.0, per_round: tuple | None = None) -> float:
         """Predicted seconds of one round of R rows at draft length n with `bonus` expected
-        bonus steps: the shape's target forward and check (read once per (R, n): the shape is
-        frozen) times this moment's factors. `per_round`: `_per_round(r)`, if already read."""
+        bonus steps: the shape's draft phase, target forward and check (read once per (R, n):
+        the shape is frozen) times this moment's factors. `per_round`: `_per_round(r)`, if
+        already read."""
         if (r, n) not in self._lines:
-            self._lines[r, n] = (self.shape(Stage.SCORE, r, n + 1), self.shape(Stage.CHECK, r, n))
-        score, check = self._lines[r, n]
-        draft, score_factor, check_factor, other = per_round or self._per_round(r)
-        return (n + bonus) * draft + score_factor * score + check_factor * check + other
+            drafts = n * self.shape(Stage.DRAFT, r, n) if n else 0.0
+            self._lines[r, n] = (drafts, self.shape(Stage.SCORE, r, n + 1), self.shape(Stage.CHECK, r, n))
+        drafts, score, check = self._lines[r, n]
+        bonus_step, draft_factor, score_factor, check_factor, other = per_round or self._per_round(r)
+        return draft_factor * drafts + bonus * bonus_step + score_factor * score + check_factor * check + other
 
     def round_times(self, r: int, max_n: int) -> list[float]:
         """`round_time` for n = 0..max_n, what does not depend on n read once (a plan reads these
@@ -152,10 +158,11 @@ class CostModel:
         per_round = self._per_round(r)
         return [self.round_time(r, n, per_round=per_round) for n in range(max_n + 1)]
 
-    def _per_round(self, r: int) -> tuple[float, float, float, float]:
-        """(draft step, target factor, check factor, other) at R rows: a round's parts but n."""
+    def _per_round(self, r: int) -> tuple[float, float, float, float, float]:
+        """(bonus step, draft, target and check factors, other) at R rows: a round's parts but n."""
         return (
-            self.time(Stage.DRAFT, r),
+            self.time(Stage.BONUS, r),
+            self.factor(Stage.DRAFT),
             self.factor(Stage.SCORE),
             self.factor(Stage.CHECK),
             self.time(Stage.OTHER, r),

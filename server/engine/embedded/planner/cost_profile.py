@@ -1,5 +1,5 @@
-"""The cost model's shape (`cost_model.py`): the round's stages timed on dummy inputs at start,
-within a time budget, and cached as JSON per pair shape + device + dtype + threads + engine code.
+"""The cost model's shape (`cost_model.py`): rounds' stages timed on dummy inputs at start, in the
+order rounds run them, within a time budget, and cached as JSON per pair shape + device + dtype + threads + engine code.
 A cached shape needs no re-timing: the live speed factor reads this host's speed now from the
 first rounds."""
 
@@ -86,6 +86,10 @@ def cache_path(cache_dir: Path, key: dict) -> Path:
     return Path(cache_dir) / f"cost-{digest}.json"
 
 
+CHEAP_REPS = 5
+WARM_UP_S = 0.1
+
+
 class _Stages:
     """The round's stages on dummy inputs, in the engine's own caches (free before serving)."""
 
@@ -126,57 +130,83 @@ class _Stages:
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
 
-    def measure(self, stage: Stage, r: int, t: int, reps: int, warm_up: bool = True) -> float:
-        """Median of `reps` timed runs (after one untimed run at this shape if `warm_up`)."""
+    def _timed(self, stage: Stage, r: int, t: int, times: int = 1) -> float:
+        t0 = time.perf_counter()
+        for _ in range(times):
+            self.run(stage, r, t)
+        return time.perf_counter() - t0
+
+    def round(self, r: int, n: int) -> dict[tuple[Stage, int, int], float]:
+        """One round of R rows at draft length n, its stages in a round's order and each timed:
+        n draft steps (their mean, at T = n), the target's forward over n + 1 tokens, the check.
+        Timed apart, each in a loop of its own, they read what a round does not run: on the
+        embedded pair the target's and the draft's weights each stay in cache, and an N = 1 round
+        read 1.5x an N = 0 round's time where rounds take 2x."""
+        out = {(Stage.DRAFT, r, n): self._timed(Stage.DRAFT, r, 1, n) / n} if n else {}
+        out[Stage.SCORE, r, n + 1] = self._timed(Stage.SCORE, r, n + 1)
+        out[Stage.CHECK, r, n] = self._timed(Stage.CHECK, r, n)
+        return out
+
+    def measure(self, stage: Stage, r: int, n: int, reps: int, warm_up: bool = True) -> dict:
+        """{(stage, R, T): median seconds} of `reps` runs of a round (`Stage.ROUND` at R, n) or
+        of one stage, after one untimed run if `warm_up`."""
+        once = (lambda: self.round(r, n)) if stage == Stage.ROUND else (lambda: {(stage, r, n): self._timed(stage, r, n)})
         if warm_up:
-            self.run(stage, r, t)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            self.run(stage, r, t)
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+            once()
+        runs = [once() for _ in range(reps)]
+        return {key: sorted(run[key] for run in runs)[len(runs) // 2] for key in runs[0]}
 
 
 def _plan(max_batch: int, max_n: int, catch_up: int = 64) -> list[tuple[Stage, int, int]]:
-    """Profile points, most useful first: batch 1 (latency) at both ends of T with a draft step
-    (a fixed + per-token cost needs two points), a catch-up over a prompt's worth (a long forward
-    may run at another speed per token than decode steps: bf16 on matrix units does), the largest
-    batch, then the points between."""
-    tmax, rmax = max_n + 1, max_batch
-    mids = [r for r in (2, 4) if 1 < r < rmax]
-    S, D, C = Stage.SCORE, Stage.DRAFT, Stage.CHECK
+    """Profile points (rounds at R, n and a catch-up over M tokens), most useful first: batch 1
+    (latency) at n = 0, 1 and N_max (a fixed + per-token cost needs two points), a catch-up over a
+    prompt's worth (a long forward may run at another speed per token than decode steps: bf16 on
+    matrix units does), the largest batch, then the points between."""
+    rmax, mids, R = max_batch, [r for r in (2, 4) if 1 < r < max_batch], Stage.ROUND
     order = [
-        (S, 1, 1), (D, 1, 1), (S, 1, tmax), (C, 1, 1), (Stage.CATCH_UP, catch_up, 1),
-        (S, 1, 2), (S, rmax, 1), (D, rmax, 1), (S, rmax, tmax), (S, rmax, 2),
-        (C, 1, max_n), (C, rmax, max_n), (C, rmax, 1),
-        *[(S, 1, t) for t in range(3, tmax)],
-        *[(k, r, t) for r in mids for (k, t) in ((S, 1), (D, 1), (S, 2), (S, tmax))],
-        *[(S, rmax, t) for t in range(3, tmax)],
+        (R, 1, 0), (R, 1, 1), (R, 1, max_n), (Stage.CATCH_UP, catch_up, 1),
+        (R, rmax, 0), (R, rmax, 1), (R, rmax, max_n),
+        *[(R, 1, n) for n in range(2, max_n)],
+        *[(R, r, n) for r in mids for n in (0, 1, max_n)],
+        *[(R, rmax, n) for n in range(2, max_n)],
     ]  # fmt: skip
     return list(dict.fromkeys(order))
+
+
+def _guess(model: CostModel, stage: Stage, r: int, n: int) -> float:
+    """The seconds a point will take, from the points measured so far."""
+    if stage != Stage.ROUND:
+        return model.shape(stage, r, n)
+    drafts = n * model.shape(Stage.DRAFT, r, n) if n else 0.0
+    return drafts + model.shape(Stage.SCORE, r, n + 1) + model.shape(Stage.CHECK, r, n)
 
 
 def profile(models: ProfiledPair, max_batch: int, max_num_draft: int, budget_s: float = 3.0) -> CostModel:
     """Measure the stages within about `budget_s` seconds (the first point always; a point whose
     predicted cost would overrun the budget is skipped).
 
-    The first forward of each model runs before the clock starts: it pays one-off costs (first
-    touch of the weights' pages, allocator growth) that on a real-size model on CPU take seconds.
-    Cheap points (< 20 ms) are the median of 3 runs after a warm-up run; expensive ones one run
-    (host noise is a smaller share of a long forward, and the live factors follow the host)."""
+    Before the clock starts, rounds run for `WARM_UP_S` (at least two): the first pays one-off
+    costs (first touch of the weights' pages, allocator growth) that on a real-size model on CPU
+    take seconds, and the next ones the host's ramp to speed (on this host the embedded target's
+    first ~8 forwards run up to 2.5x slower than its steady ones). Cheap points (< 20 ms) are the
+    median of `CHEAP_REPS` runs after a warm-up run; expensive ones one run (host noise is a
+    smaller share of a long forward, and the live factors follow the host)."""
     stages = _Stages(models)
     model = CostModel({"source": "profile", "budget_s": budget_s})
     t_warm = time.perf_counter()
-    stages.run(Stage.SCORE, 1, 1)
-    stages.run(Stage.DRAFT, 1, 1)
+    stages.round(1, 1)
+    t_first = time.perf_counter()
+    while time.perf_counter() - t_first < WARM_UP_S:
+        stages.round(1, 1)
     t_start = time.perf_counter()
-    for stage, r, t in _plan(max_batch, max_num_draft, stages.ctx):
-        guess = model.shape(stage, r, t)
+    for stage, r, n in _plan(max_batch, max_num_draft, stages.ctx):
+        guess = _guess(model, stage, r, n)
         cheap = guess < 0.02
-        if model.points and time.perf_counter() - t_start + guess * (4 if cheap else 1) > budget_s:
+        reps = CHEAP_REPS if cheap else 1
+        if model.points and time.perf_counter() - t_start + guess * (reps + cheap) > budget_s:
             continue
-        model.set(stage, r, t, stages.measure(stage, r, t, 3 if cheap else 1, warm_up=cheap))
+        for (s, rr, t), seconds in stages.measure(stage, r, n, reps, warm_up=cheap).items():
+            model.set(s, rr, t, seconds)
     model.meta["warm_up_s"] = round(t_start - t_warm, 3)
     model.meta["profile_s"] = round(time.perf_counter() - t_start, 3)
     return model

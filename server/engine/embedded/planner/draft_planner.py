@@ -352,7 +352,7 @@ class DraftPlanner:
         cost.observe(Stage.SCORE, r, n + 1, seconds[Stage.SCORE])  # first: the base of the others
         caught_up = self._learn_catch_ups(batch)  # in the draft phase if n, else in the bonus step
         if n:
-            cost.observe(Stage.DRAFT, r, 1, (seconds[Stage.DRAFT] - caught_up) / n)
+            cost.observe(Stage.DRAFT, r, n, (seconds[Stage.DRAFT] - caught_up) / n)
         if out.bonus_rows:
             step = seconds[Stage.BONUS] - (0.0 if n else caught_up)
             cost.observe(Stage.BONUS, len(out.bonus_rows), 1, step)
