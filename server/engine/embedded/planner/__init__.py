@@ -3,5 +3,5 @@
 draft_planner.py  the policy and the engine's side of it: goodput-optimal N (0 included) per row.
 acceptance.py     what it believes about acceptance: pooled per kind of row, a row's own evidence.
 cost_model.py     seconds per round stage: the start-up shape times live speed factors.
-cost_profile.py   the start-up shape: stages timed on dummy inputs, cached per pair and host.
+cost_profile.py   the start-up shape: rounds timed on dummy inputs, cached per pair and host.
 """

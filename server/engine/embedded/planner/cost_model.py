@@ -150,7 +150,9 @@ class CostModel:
             self._lines[r, n] = (drafts, self.shape(Stage.SCORE, r, n + 1), self.shape(Stage.CHECK, r, n))
         drafts, score, check = self._lines[r, n]
         bonus_step, draft_factor, score_factor, check_factor, other = per_round or self._per_round(r)
-        return draft_factor * drafts + bonus * bonus_step + score_factor * score + check_factor * check + other
+        return (
+            draft_factor * drafts + bonus * bonus_step + score_factor * score + check_factor * check + other
+        )
 
     def round_times(self, r: int, max_n: int) -> list[float]:
         """`round_time` for n = 0..max_n, what does not depend on n read once (a plan reads these

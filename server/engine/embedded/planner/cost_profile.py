@@ -1,5 +1,5 @@
-"""The cost model's shape (`cost_model.py`): rounds' stages timed on dummy inputs at start, in the
-order rounds run them, within a time budget, and cached as JSON per pair shape + device + dtype + threads + engine code.
+"""The cost model's shape (`cost_model.py`): rounds timed stage by stage on dummy inputs at start,
+within a time budget, and cached as JSON per pair shape + device + dtype + threads + engine code.
 A cached shape needs no re-timing: the live speed factor reads this host's speed now from the
 first rounds."""
 
@@ -86,7 +86,7 @@ def cache_path(cache_dir: Path, key: dict) -> Path:
     return Path(cache_dir) / f"cost-{digest}.json"
 
 
-CHEAP_REPS = 5
+CHEAP_REPS = 9
 WARM_UP_S = 0.1
 
 
@@ -148,9 +148,16 @@ class _Stages:
         return out
 
     def measure(self, stage: Stage, r: int, n: int, reps: int, warm_up: bool = True) -> dict:
-        """{(stage, R, T): median seconds} of `reps` runs of a round (`Stage.ROUND` at R, n) or
-        of one stage, after one untimed run if `warm_up`."""
-        once = (lambda: self.round(r, n)) if stage == Stage.ROUND else (lambda: {(stage, r, n): self._timed(stage, r, n)})
+        """{(stage, R, T): median seconds} of `reps` runs in a row of a round (`Stage.ROUND` at
+        R, n) or of one stage, after one untimed run if `warm_up`. In a row, as a batch decoding
+        at that n runs them: what a plan compares is streams of rounds at one n or another
+        (interleaved with the other points instead, an N = 0 round followed a drafting one, read
+        the target's weights out of cache, and the embedded pair's N = 1 read 1.2x faster than
+        N = 0 per token, where it is 0.85x)."""
+
+        def once() -> dict:
+            return self.round(r, n) if stage == Stage.ROUND else {(stage, r, n): self._timed(stage, r, n)}
+
         if warm_up:
             once()
         runs = [once() for _ in range(reps)]
@@ -182,8 +189,8 @@ def _guess(model: CostModel, stage: Stage, r: int, n: int) -> float:
 
 
 def profile(models: ProfiledPair, max_batch: int, max_num_draft: int, budget_s: float = 3.0) -> CostModel:
-    """Measure the stages within about `budget_s` seconds (the first point always; a point whose
-    predicted cost would overrun the budget is skipped).
+    """Time rounds and a catch-up (`_plan`) within about `budget_s` seconds (the first point
+    always; a point whose predicted cost would overrun the budget is skipped).
 
     Before the clock starts, rounds run for `WARM_UP_S` (at least two): the first pays one-off
     costs (first touch of the weights' pages, allocator growth) that on a real-size model on CPU
