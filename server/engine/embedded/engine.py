@@ -169,6 +169,7 @@ class EmbeddedEngine:
     def _load_models(self, device: torch.device, threads: int | None) -> Models:
         from server.engine.embedded.fingerprint import system_fingerprint
         from server.engine.embedded.model.llama import load_model
+        from server.engine.embedded.overhead_profile import measure_overheads
         from server.engine.embedded.planner.cost_profile import load_or_profile
         from server.engine.embedded.planner.draft_planner import DraftPlanner
 
@@ -195,7 +196,11 @@ class EmbeddedEngine:
             first_token_from_prefill=c.first_token_from_prefill,
             forced_tv=c.forced_tv,
         )
-        cost = load_or_profile(models, c.max_batch, c.max_num_draft, c.profile_budget_s, cache_dir)
+
+        def overheads(cost) -> None:  # the engine's own time per round and step (overhead_profile.py)
+            measure_overheads(models, cost, c.max_batch, self._plain_row)
+
+        cost = load_or_profile(models, c.max_batch, c.max_num_draft, c.profile_budget_s, cache_dir, overheads)
         models.planner = DraftPlanner(cost, c.max_num_draft, alone_batch=c.max_batch)
         self.info.runtime.update(system_fingerprint(models, c, cost))  # the shape seeded rows plan on
         self.info.runtime.update(dtype=str(c.dtype).removeprefix("torch."), device=str(device))
@@ -282,6 +287,22 @@ class EmbeddedEngine:
             SamplingOptions(temperature=0, max_tokens=self.info.num_draft + 2, ignore_eos=True),
         )
         return Row(request, lambda _item: None, self.info.num_draft, self.tokenizer, self.eos_ids)
+
+    def _plain_row(self, i: int) -> Row:
+        """A dummy plain request (N = 0) of `overhead_profile.TOKENS` tokens after a short prompt."""
+        from server.engine.embedded.overhead_profile import TOKENS
+
+        prompt = tuple(
+            (7919 * (i + j) + 13) % self.vocab_size for j in range(min(32, self.config.max_context // 2))
+        )
+        options = SamplingOptions(max_tokens=TOKENS, ignore_eos=True, seed=i)
+        return Row(
+            GenerationRequest(f"engine-overheads-{i}", prompt, options),
+            lambda _item: None,
+            0,
+            self.tokenizer,
+            self.eos_ids,
+        )
 
     def load(self) -> dict[str, int]:
         return self.scheduler.load() if self.scheduler else {"running": 0, "waiting": 0}

@@ -19,7 +19,9 @@ Terms
               draft-only), the same average of log(measured / (shape · speed)), over the rounds
               that run it.
     overhead  `other` (per round) and `step` (per scheduler step), by R: the engine's Python,
-              not profiled; an exponential average per R of what was measured, 0 until then.
+              which dummy stages cannot run; measured at start on the engine's own plain rounds
+              (`overhead_profile.py`) as points of the shape, then the same average per R of
+              what was measured (seconds, not a factor: Python does not scale with the models).
 
     round(R, n, b) = n·draft(R, n) + b·draft(R, 1) + score(R, n + 1) + check(R, n) + other(R)
     with b the expected bonus steps (rows that draw the bonus from ν: a draft step after the
@@ -83,7 +85,7 @@ class CostModel:
         self.points: dict[Stage, dict[tuple[int, int], float]] = {}
         self.meta = dict(meta or {})
         self.log_factor: dict[Stage, float] = {}  # SCORE: speed; others: relative
-        self.seen: dict[Stage, int] = {}
+        self.seen: dict = {}  # readings per computing stage, and per (overhead, R)
         self.overhead: dict[Stage, dict[int, float]] = {s: {} for s in OVERHEADS}
         self.updates = 0
         self._curves: dict[tuple, tuple[list[int], list[float]]] = {}
@@ -135,8 +137,8 @@ class CostModel:
         stage = Stage(stage)
         if stage in OVERHEADS:
             measured = self.overhead[stage]
-            if not measured:
-                return 0.0
+            if not measured:  # the profiled points, if any
+                return self.shape(stage, r, 0)
             return measured.get(r) or measured[min(measured, key=lambda k: abs(k - r))]
         return self.shape(_PRICED_AS.get(stage, stage), r, t) * self.factor(stage)
 
@@ -178,9 +180,10 @@ class CostModel:
         """One measured stage time (per draft step for `draft`, `bonus`, `draft_only`)."""
         stage, seconds = Stage(stage), max(float(seconds), 0.0)
         self.updates += 1
-        if stage in OVERHEADS:
+        if stage in OVERHEADS:  # a plain mean of the first readings, then the average
             line = self.overhead[stage]
-            line[r] = seconds if r not in line else line[r] + RATE * (seconds - line[r])
+            k = self.seen[stage, r] = self.seen.get((stage, r), 0) + 1
+            line[r] = line.get(r, 0.0) + max(RATE, 1 / k) * (seconds - line.get(r, 0.0))
             return
         stage = _PRICED_AS.get(stage, stage)
         shape = self.shape(stage, r, t)
@@ -196,7 +199,7 @@ class CostModel:
             self.log_factor[stage] = old + RATE * min(max(reading - old, -CLIP), CLIP)
 
     def frozen(self) -> CostModel:
-        """The shape alone (no live factors, no overheads): the start-up profile's predictions."""
+        """The shape alone (no live factors or overheads): the start-up profile's predictions."""
         out = CostModel(self.meta)
         out.points = {s: dict(p) for s, p in self.points.items()}
         return out

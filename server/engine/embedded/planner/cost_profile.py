@@ -10,6 +10,7 @@ import hashlib
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -220,10 +221,16 @@ def profile(models: ProfiledPair, max_batch: int, max_num_draft: int, budget_s: 
 
 
 def load_or_profile(
-    models: ProfiledPair, max_batch: int, max_num_draft: int, budget_s: float, cache_dir: Path | None
+    models: ProfiledPair,
+    max_batch: int,
+    max_num_draft: int,
+    budget_s: float,
+    cache_dir: Path | None,
+    overheads: Callable[[CostModel], None] | None = None,
 ) -> CostModel:
     """The cached shape for this pair shape + device + dtype + threads + code, else a fresh
-    profile (written to the cache when `cache_dir` is set)."""
+    profile, completed by `overheads` (the engine's own time, `overhead_profile.py`) and written
+    to the cache when `cache_dir` is set."""
     key = cache_key(models)
     path = cache_path(cache_dir, key) if cache_dir is not None else None
     if path is not None and path.is_file():
@@ -234,6 +241,10 @@ def load_or_profile(
         except (ValueError, KeyError, TypeError, json.JSONDecodeError):
             pass  # unreadable or another format: profile again and overwrite
     model = profile(models, max_batch, max_num_draft, budget_s)
+    if overheads is not None:
+        t0 = time.perf_counter()
+        overheads(model)
+        model.meta["overheads_s"] = round(time.perf_counter() - t0, 3)
     model.meta.update(device=key["device"], dtype=key["dtype"], threads=key["threads"])
     if path is not None:
         save(model, path)

@@ -324,7 +324,7 @@ class DraftPlanner:
         kind = RowChoice(_grid(self.acceptance.prior(row, alone=True)), row.mode.draws_nu)
         if kind not in self._alone:
             table, batches = _RoundTimes(self.profile, self.max_n), {1, self.alone_batch}
-            rate = lambda n, b: goodput([kind] * b, [n] * b, table)  # noqa: E731
+            rate = lambda n, b: goodput([kind] * b, [n] * b, table, self.profile.time(Stage.STEP, b))  # noqa: E731
             gain = lambda n: min(rate(n, b) / rate(0, b) for b in batches)  # noqa: E731
             best = max(range(1, self.max_n + 1), key=gain)
             self._alone[kind] = best if gain(best) >= 1 + self.margin else 0
