@@ -23,21 +23,56 @@ def test_round_time_composes_the_stages():
     assert m.round_time(2, 3, bonus=0.5) == pytest.approx(3.5 * 0.01 + 0.05 + 0.002 + 0.003)
 
 
-def test_a_rounds_draft_steps_are_priced_at_their_mean_over_its_n_and_a_bonus_step_as_the_first():
+def test_a_rounds_draft_phase_is_a_first_step_premium_and_a_step_and_a_bonus_step_the_first():
     """The profile times a round's n draft steps together (the first follows the target's forward,
-    with the draft's weights out of cache; the next ones follow the draft's own): a step's price
-    depends on n. A bonus step follows the target's forward, as a round's first step does."""
+    with the draft's weights out of cache; the next ones follow the draft's own): n steps cost
+    a + b·n, fitted over every n profiled. A bonus step follows the target's forward, as a
+    round's first step does: a + b."""
     m = CostModel()
-    m.set("draft", 1, 1, 0.004)  # one step: cold
-    m.set("draft", 1, 4, 0.0025)  # four: one cold, three warm
+    m.set("draft", 1, 1, 0.004)  # one step: a + b
+    m.set("draft", 1, 4, 0.0025)  # four: (a + 4b) / 4
     m.set("score", 1, 1, 0.01)
     m.set("score", 1, 5, 0.01)  # the target's forward costs the same at T = 1..5 here
     assert m.round_time(1, 4) == pytest.approx(4 * 0.0025 + 0.01)
-    assert m.round_time(1, 2) == pytest.approx(2 * 0.0035 + 0.01)  # linear between n = 1 and 4
+    assert m.round_time(1, 2) == pytest.approx(0.002 + 2 * 0.002 + 0.01)  # a = b = 2 ms
     assert m.round_time(1, 4, bonus=0.5) == pytest.approx(4 * 0.0025 + 0.5 * 0.004 + 0.01)
     m.observe("draft", 1, 4, 0.005)  # a round's draft phase ran at twice its price
     assert m.round_time(1, 4) == pytest.approx(4 * 0.005 + 0.01)
     assert m.time("bonus", 1) == pytest.approx(0.008)  # the factor is the draft step's
+
+
+def test_the_draft_phase_line_averages_noisy_points_and_never_prices_a_first_step_below_the_rest():
+    """One run per point at real sizes: every n's total informs the line, so one noisy mean does
+    not decide between N = 1 and 2. A fit whose first step would be the cheapest (the totals fall
+    short of a line through the origin) is a line through the origin: the same price per step."""
+    m = CostModel()
+    noise = (1.06, 0.95, 1.04, 0.97, 1.02, 0.98, 1.03, 0.96)
+    for n, e in zip(range(1, 9), noise, strict=True):
+        m.set("draft", 2, n, 0.05 * e)  # the same 50 ms step at every n, ±6 % per point
+    line_error = sum(abs(m.time("draft", 2, n) / 0.05 - 1) for n in range(1, 9)) / 8
+    assert line_error < sum(abs(e - 1) for e in noise) / 8 / 2  # 1.2 % against the points' 3.6 %
+    m.set("draft", 3, 1, 0.01)
+    m.set("draft", 3, 2, 0.012)  # the second step read 14 ms against the first's 10: a < 0
+    assert m.time("draft", 3, 1) == m.time("draft", 3, 2) == pytest.approx((0.01 + 0.024) / 3)
+
+
+def test_overheads_are_the_profiled_points_until_measured_live():
+    """The engine's own time per round (`other`) and per step: the start-up profile's points
+    (`overhead_profile.py`), over R between them, kept by the frozen profile; live, what the
+    engine measures replaces them, a plain mean of the first readings, then an average."""
+    m = CostModel()
+    m.set("other", 1, 0, 1e-3)
+    m.set("other", 8, 0, 8e-3)
+    assert m.time("other", 4, 0) == pytest.approx(4e-3) and m.time("step", 4, 0) == 0.0
+    for seconds in (3e-3, 1e-3, 2e-3):  # one outlier first: averaged, not kept at 0.9^k of it
+        m.observe("other", 1, 0, seconds)
+    assert m.time("other", 1, 0) == pytest.approx(2e-3)
+    assert m.time("other", 8, 0) == pytest.approx(2e-3)  # live readings, nearest batch size
+    assert m.frozen().time("other", 1, 0) == 1e-3  # the profile keeps its own
+    for _ in range(20):
+        m.observe("other", 1, 0, 4e-3)
+    # the mean of the first 10 readings (3.4 ms), then 13 at weight 0.1
+    assert m.time("other", 1, 0) == pytest.approx(4e-3 - 0.6e-3 * 0.9**13)
 
 
 def test_the_shape_interpolates_over_tokens_per_forward_and_never_falls():
@@ -221,6 +256,32 @@ def test_the_profile_times_each_stage_where_a_round_runs_it(models, monkeypatch)
     assert {(1, 1), (1, 3), (4, 1), (4, 3)} <= set(m.points["draft"])  # (R, n): a step's mean over n
     assert {(r, t) for r in (1, 4) for t in range(1, 5)} <= set(m.points["score"])
     assert ("catch_up", min(64, models.draft_cache.shape.max_seq // 2), 1) in calls
+
+
+def test_a_fresh_profile_holds_the_engines_own_overheads_and_a_cached_one_reads_them(
+    tiny_pair, tmp_path, monkeypatch
+):
+    """The engine's own time per round and step is measured once, on plain dummy requests at
+    batch 1 and its largest batch, and cached with the profile: a restart plans seeded rows on the
+    same overheads (same fingerprint) without measuring them again."""
+    from server.engine.embedded import overhead_profile
+
+    config = EmbeddedEngineConfig(*tiny_pair, max_batch=3, max_context=64, cache_dir=tmp_path)
+    first = EmbeddedEngine(config)
+    profile_ = first.load_models().planner.profile
+    for stage in ("other", "step"):
+        assert set(profile_.points[stage]) == {(1, 0), (3, 0)}
+        assert all(s > 0 for s in profile_.points[stage].values())
+    assert profile_.meta["overheads_s"] > 0
+
+    def measured_again(*args):
+        raise AssertionError("a cached profile's overheads were measured again")
+
+    monkeypatch.setattr(overhead_profile, "measure_overheads", measured_again)
+    again = EmbeddedEngine(EmbeddedEngineConfig(*tiny_pair, max_batch=3, max_context=64, cache_dir=tmp_path))
+    cached = again.load_models().planner.profile
+    assert cached.meta["source"] == "cache" and cached.points == profile_.points
+    assert again.info.runtime["system_fingerprint"] == first.info.runtime["system_fingerprint"]
 
 
 def test_cache_is_keyed_by_shape_device_dtype_and_code(models, tmp_path):

@@ -220,6 +220,29 @@ def test_a_seeded_row_drafts_only_where_that_gains_alone_and_in_a_full_batch():
         assert all(row.num_draft > 0 for row in free)
 
 
+def test_a_seeded_row_prices_the_engines_own_time_per_round_and_step():
+    """The start-up profile's overheads (`overhead_profile.py`) are part of a seeded row's price:
+    a round's fixed Python is what drafting spreads over more tokens. Here drafting gains at most
+    2.8 % (N = 1, under the margin) on the forwards alone, 24 % (N = 2) with 0.3 ms of Python a
+    round and 0.2 a step."""
+    from server.engine.embedded.planner.cost_model import CostModel
+
+    def model(other: float, step: float) -> CostModel:
+        m = CostModel()
+        m.set("score", 1, 1, 1e-3)
+        m.set("score", 1, 5, 1e-3)
+        m.set("draft", 1, 1, 0.8e-3)
+        if other:
+            m.set("other", 1, 0, other)
+            m.set("step", 1, 0, step)
+        return m
+
+    for other, step, drafts in ((0.0, 0.0, False), (0.3e-3, 0.2e-3, True)):
+        seeded = _planned_row(0.5, seed=True)  # β = 1 − 0.5 · 0.3 = 0.85
+        DraftPlanner(model(other, step), 4, alone_batch=1).assign([seeded])
+        assert bool(seeded.num_draft) == drafts, (other, seeded.num_draft)
+
+
 def test_seeded_rows_of_a_kind_draft_at_one_n():
     """Were a seeded row's N its own (from its evidence, its lag), a batch of rows of one tier
     would spread over several N and run one round per N each step (seeded lite at c = 8: 0.76x

@@ -292,9 +292,7 @@ class EmbeddedEngine:
         """A dummy plain request (N = 0) of `overhead_profile.TOKENS` tokens after a short prompt."""
         from server.engine.embedded.overhead_profile import TOKENS
 
-        prompt = tuple(
-            (7919 * (i + j) + 13) % self.vocab_size for j in range(min(32, self.config.max_context // 2))
-        )
+        prompt = tuple((i + j) % self.vocab_size for j in range(min(32, self.config.max_context // 2)))
         options = SamplingOptions(max_tokens=TOKENS, ignore_eos=True, seed=i)
         return Row(
             GenerationRequest(f"engine-overheads-{i}", prompt, options),

@@ -9,8 +9,10 @@ Terms
     shape     seconds per `Stage` from the rounds profiled at start (`cost_profile.py`),
               frozen: linear over T between a batch size's own points, else over M between all
               points (equal M averaged), proportional to M past the last; non-decreasing either
-              way (one noisy point cannot make a longer forward read cheaper), but a draft step's
-              mean over n steps, which falls with n where the first step is the dearest. A stage with no
+              way (one noisy point cannot make a longer forward read cheaper). A round's draft
+              phase at a profiled R is a line over n, a + b·n (`_draft_phase`): a first-step
+              premium and a step, fitted to every n profiled (one run each at real sizes, where
+              a line through two noisy means was the planner's coin toss between N = 1 and 2). A stage with no
               points of its own (a catch-up, a draft-only step) takes the draft step's at M.
     speed     log of how much slower than profiled the host runs now, read from the one stage
               every speculative round runs: the target's forward. An exponential average of
@@ -90,6 +92,7 @@ class CostModel:
         self.updates = 0
         self._curves: dict[tuple, tuple[list[int], list[float]]] = {}
         self._lines: dict[tuple[int, int], tuple[float, ...]] = {}  # (R, n) -> drafts, score, check shapes
+        self._phases: dict[int, tuple[float, float] | None] = {}  # R -> the draft phase's (a, b)
 
     # -- the shape -------------------------------------------------------------------------
     def set(self, stage: Stage | str, r: int, t: int, seconds: float) -> None:
@@ -97,6 +100,7 @@ class CostModel:
         self.points.setdefault(Stage(stage), {})[(r, t)] = float(seconds)
         self._curves.clear()
         self._lines.clear()
+        self._phases.clear()
 
     def _curve(self, stage: Stage, r: int | None) -> tuple[list[int], list[float]]:
         """(sizes, seconds) made non-decreasing: over T at batch size r, or over M (r = None)."""
@@ -107,16 +111,32 @@ class CostModel:
                 if r is None or rr == r:
                     by_x.setdefault(size(stage, rr, t) if r is None else t, []).append(s)
             xs, values, top = sorted(by_x), [], 0.0
-            per_step = stage == Stage.DRAFT and r is not None  # a mean over n steps may fall with n
             for x in xs:
-                mean = sum(by_x[x]) / len(by_x[x])
-                top = mean if per_step else max(top, mean)
+                top = max(top, sum(by_x[x]) / len(by_x[x]))
                 values.append(top)
             self._curves[key] = (xs, values)
         return self._curves[key]
 
+    def _draft_phase(self, r: int) -> tuple[float, float] | None:
+        """(a, b): a round's n draft steps at R rows take a + b·n seconds, least squares over the
+        profiled n (its per-step means times n), a >= 0 (the first step, after the target's
+        forward, is the dearest); None if R has no draft points."""
+        if r not in self._phases:
+            totals = [(t, t * s) for (rr, t), s in self.points.get(Stage.DRAFT, {}).items() if rr == r]
+            line = None
+            if totals:
+                mx, my = (sum(v) / len(totals) for v in zip(*totals, strict=True))
+                var = sum((x - mx) ** 2 for x, _ in totals)
+                b = sum((x - mx) * (y - my) for x, y in totals) / var if var else my / mx
+                a = my - b * mx
+                line = (a, b) if a >= 0 and b >= 0 else (0.0, my / mx)  # else through the origin
+            self._phases[r] = line
+        return self._phases[r]
+
     def shape(self, stage: Stage, r: int, t: int) -> float:
         """The profiled seconds of one stage at (R, T) (module doc)."""
+        if stage == Stage.DRAFT and (phase := self._draft_phase(r)) is not None:
+            return phase[0] / max(t, 1) + phase[1]
         ts, values = self._curve(stage, r)
         if ts and ts[0] <= t <= ts[-1]:
             return _linear(ts, values, t)

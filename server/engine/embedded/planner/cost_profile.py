@@ -138,11 +138,9 @@ class _Stages:
         return time.perf_counter() - t0
 
     def round(self, r: int, n: int) -> dict[tuple[Stage, int, int], float]:
-        """One round of R rows at draft length n, its stages in a round's order and each timed:
-        n draft steps (their mean, at T = n), the target's forward over n + 1 tokens, the check.
-        Timed apart, each in a loop of its own, they read what a round does not run: on the
-        embedded pair the target's and the draft's weights each stay in cache, and an N = 1 round
-        read 1.5x an N = 0 round's time where rounds take 2x."""
+        """One round of R rows at draft length n, each stage timed in a round's order: n draft
+        steps (their mean, at T = n), the target's forward over n + 1 tokens, the check. (Each in
+        a loop of its own, a stage keeps its weights in cache: docs/algorithm.md, "Why rounds".)"""
         out = {(Stage.DRAFT, r, n): self._timed(Stage.DRAFT, r, 1, n) / n} if n else {}
         out[Stage.SCORE, r, n + 1] = self._timed(Stage.SCORE, r, n + 1)
         out[Stage.CHECK, r, n] = self._timed(Stage.CHECK, r, n)
@@ -150,11 +148,8 @@ class _Stages:
 
     def measure(self, stage: Stage, r: int, n: int, reps: int, warm_up: bool = True) -> dict:
         """{(stage, R, T): median seconds} of `reps` runs in a row of a round (`Stage.ROUND` at
-        R, n) or of one stage, after one untimed run if `warm_up`. In a row, as a batch decoding
-        at that n runs them: what a plan compares is streams of rounds at one n or another
-        (interleaved with the other points instead, an N = 0 round followed a drafting one, read
-        the target's weights out of cache, and the embedded pair's N = 1 read 1.2x faster than
-        N = 0 per token, where it is 0.85x)."""
+        R, n) or of one stage, after one untimed run if `warm_up`: in a row, as a batch at that n
+        runs them (a plan compares streams of rounds at one n or another)."""
 
         def once() -> dict:
             return self.round(r, n) if stage == Stage.ROUND else {(stage, r, n): self._timed(stage, r, n)}
@@ -194,11 +189,11 @@ def profile(models: ProfiledPair, max_batch: int, max_num_draft: int, budget_s: 
     always; a point whose predicted cost would overrun the budget is skipped).
 
     Before the clock starts, rounds run for `WARM_UP_S` (at least two): the first pays one-off
-    costs (first touch of the weights' pages, allocator growth) that on a real-size model on CPU
-    take seconds, and the next ones the host's ramp to speed (on this host the embedded target's
-    first ~8 forwards run up to 2.5x slower than its steady ones). Cheap points (< 20 ms) are the
-    median of `CHEAP_REPS` runs after a warm-up run; expensive ones one run (host noise is a
-    smaller share of a long forward, and the live factors follow the host)."""
+    costs (first touch of the weights' pages, allocator growth: seconds for a real-size model on
+    CPU), the next ones the host's ramp to speed (the embedded target's first ~8 forwards run up
+    to 2.5x slower). Cheap points (< 20 ms) are the median of `CHEAP_REPS` runs after a warm-up
+    run; expensive ones one run (host noise is a smaller share of a long forward, and the live
+    factors follow the host)."""
     stages = _Stages(models)
     model = CostModel({"source": "profile", "budget_s": budget_s})
     t_warm = time.perf_counter()
