@@ -2,8 +2,7 @@
 
 Terms
     R, n, T   rows in a round, its draft length, and tokens per row in one forward (T = n + 1
-              for the target's); for a draft step, T = n: its mean over a round's n steps (the
-              first follows the target's forward, the next ones the draft's own).
+              for the target's); for a draft step, T = n: its mean over a round's n steps.
     M         tokens one forward processes, what a stage's cost mostly depends on: R·T for the
               target, R for a draft step, R·(n + 1) for the check, L for a catch-up over L tokens.
     shape     seconds per `Stage` from the rounds profiled at start (`cost_profile.py`),
