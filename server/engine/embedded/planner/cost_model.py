@@ -11,8 +11,8 @@ Terms
               way (one noisy point cannot make a longer forward read cheaper). A round's draft
               phase at a profiled R is a line over n, a + b·n (`_draft_phase`): a first-step
               premium and a step, fitted to every n profiled (one run each at real sizes, where
-              a line through two noisy means was the planner's coin toss between N = 1 and 2). A stage with no
-              points of its own (a catch-up, a draft-only step) takes the draft step's at M.
+              each n's own mean made N = 1 against 2 a coin toss). A stage with no points of its
+              own (a catch-up, a draft-only step) takes the draft step's at M.
     speed     log of how much slower than profiled the host runs now, read from the one stage
               every speculative round runs: the target's forward. An exponential average of
               log(measured / shape) over rounds (the first observations are a plain mean).
@@ -34,8 +34,8 @@ with it; otherwise, after a fast spell re-timed plain rounds only, drafting stay
 old speed and the planner never drafted again. What the profile's dummy inputs get wrong about
 one stage relative to the target (the engine's draft phase also feeds the drafts and builds masks;
 a draft-only loop keeps the draft's weights in cache and runs faster than a round's draft step) is
-learned where that stage runs. Drafting that the profile underprices is corrected
-by the rounds it runs; drafting it overprices by the planner's exploration (`draft_planner.py`).
+learned where that stage runs. Drafting that the profile underprices is corrected by the rounds
+it runs; drafting it overprices by the planner's exploration (`draft_planner.py`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def size(stage: Stage, r: int, t: int) -> int:
 
 class CostModel:
     """Seconds per stage by (stage, R, T): T is the target's tokens per row for `score`, n for
-    `check` and `draft`, else 1; R is the tokens M for `catch_up`. `round_time` composes one round."""
+    `check` and `draft`, else 1; R is the tokens M for `catch_up`. `round_time` composes a round."""
 
     def __init__(self, meta: dict | None = None):
         self.points: dict[Stage, dict[tuple[int, int], float]] = {}
