@@ -276,6 +276,10 @@ class EmbeddedEngine:
             return "the engine's scheduler thread is not running"
         return None
 
+    def _internal_row(self, request: GenerationRequest, num_draft: int) -> Row:
+        """A request of the engine's own (probe, overhead profile): a fixed N, its output dropped."""
+        return Row(request, lambda _item: None, num_draft, self.tokenizer, self.eos_ids)
+
     def _probe_row(self) -> Row:
         """A tiny greedy request with the engine's default (or largest) N, fixed: if this fails, the
         engine is broken."""
@@ -286,7 +290,7 @@ class EmbeddedEngine:
             # one token from the prefill, then one full round of N drafts
             SamplingOptions(temperature=0, max_tokens=self.info.num_draft + 2, ignore_eos=True),
         )
-        return Row(request, lambda _item: None, self.info.num_draft, self.tokenizer, self.eos_ids)
+        return self._internal_row(request, self.info.num_draft)
 
     def _plain_row(self, i: int) -> Row:
         """A dummy plain request (N = 0) of `overhead_profile.TOKENS` tokens after a short prompt."""
@@ -294,13 +298,7 @@ class EmbeddedEngine:
 
         prompt = tuple((i + j) % self.vocab_size for j in range(min(32, self.config.max_context // 2)))
         options = SamplingOptions(max_tokens=TOKENS, ignore_eos=True, seed=i)
-        return Row(
-            GenerationRequest(f"engine-overheads-{i}", prompt, options),
-            lambda _item: None,
-            0,
-            self.tokenizer,
-            self.eos_ids,
-        )
+        return self._internal_row(GenerationRequest(f"engine-overheads-{i}", prompt, options), 0)
 
     def load(self) -> dict[str, int]:
         return self.scheduler.load() if self.scheduler else {"running": 0, "waiting": 0}

@@ -177,11 +177,9 @@ def _plan(max_batch: int, max_n: int, catch_up: int = 64) -> list[tuple[Stage, i
 
 
 def _guess(model: CostModel, stage: Stage, r: int, n: int) -> float:
-    """The seconds a point will take, from the points measured so far."""
-    if stage != Stage.ROUND:
-        return model.shape(stage, r, n)
-    drafts = n * model.shape(Stage.DRAFT, r, n) if n else 0.0
-    return drafts + model.shape(Stage.SCORE, r, n + 1) + model.shape(Stage.CHECK, r, n)
+    """The seconds a point will take, from the points measured so far (no factors or overheads
+    yet: a round is its stages' shapes)."""
+    return model.round_time(r, n) if stage == Stage.ROUND else model.shape(stage, r, n)
 
 
 def profile(models: ProfiledPair, max_batch: int, max_num_draft: int, budget_s: float = 3.0) -> CostModel:
