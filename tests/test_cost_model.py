@@ -6,6 +6,7 @@ import json
 import math
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -222,6 +223,47 @@ def test_first_call_costs_do_not_eat_the_profile_budget(models, monkeypatch):
     m = profile(models, max_batch=4, max_num_draft=8, budget_s=0.5)
     assert {(1, 1), (1, 9)} <= set(m.points["score"]) and (1, 1) in m.points["draft"]
     assert m.meta["warm_up_s"] >= 0.6 and m.meta["profile_s"] < 0.6 + 0.5
+
+
+def test_each_point_is_its_fastest_pass(models, monkeypatch):
+    """The plan runs twice and a point keeps its faster reading: a host stall in one pass (here
+    the first, then the second, at every other point) does not price the point. A budget that
+    buys one pass only measures each point once, the first pass first."""
+    from server.engine.embedded.planner import cost_profile
+    from server.engine.embedded.planner.cost_model import Stage
+
+    seen: dict = {}
+
+    def measure(self, stage, r, n, reps, warm_up=True):
+        key = (stage, r, n)
+        runs = seen[key] = seen.get(key, 0) + 1
+        stalled = runs == 1 + list(seen).index(key) % 2  # even points stall in pass 1, odd in pass 2
+        seconds = 1e-4 * (r + n + 1) * (10 if stalled else 1)
+        if stage == Stage.CATCH_UP:
+            return {(stage, r, n): seconds}
+        return {(Stage.SCORE, r, n + 1): seconds, (Stage.CHECK, r, n): 1e-5}
+
+    monkeypatch.setattr(cost_profile._Stages, "measure", measure)
+    m = profile(models, max_batch=4, max_num_draft=3, budget_s=5.0)
+    assert set(seen.values()) == {cost_profile.PASSES} == {2}
+    for stage, r, n in seen:
+        kind, at = ("score", (r, n + 1)) if stage == Stage.ROUND else ("catch_up", (r, n))
+        assert m.points[kind][at] == pytest.approx(1e-4 * (r + n + 1)), (stage, r, n)
+    seen.clear()
+    monkeypatch.setattr(cost_profile, "time", SimpleNamespace(perf_counter=_clock(step=0.05)))
+    profile(models, max_batch=4, max_num_draft=3, budget_s=0.5)
+    assert seen and set(seen.values()) == {1}
+
+
+def _clock(step: float):
+    """A clock that moves `step` seconds a reading (a profile that sees its budget run out)."""
+    t = [0.0]
+
+    def now() -> float:
+        t[0] += step
+        return t[0]
+
+    return now
 
 
 def test_a_tiny_budget_still_measures_the_first_point(models):

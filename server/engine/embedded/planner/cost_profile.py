@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import platform
 import time
 from collections.abc import Callable
@@ -89,6 +90,7 @@ def cache_path(cache_dir: Path, key: dict) -> Path:
 
 CHEAP_REPS = 9
 WARM_UP_S = 0.1
+PASSES = 2
 
 
 class _Stages:
@@ -191,7 +193,12 @@ def profile(models: ProfiledPair, max_batch: int, max_num_draft: int, budget_s: 
     CPU), the next ones the host's ramp to speed (the embedded target's first ~8 forwards run up
     to 2.5x slower). Cheap points (< 20 ms) are the median of `CHEAP_REPS` runs after a warm-up
     run; expensive ones one run (host noise is a smaller share of a long forward, and the live
-    factors follow the host)."""
+    factors follow the host). The plan runs `PASSES` times, the budget filling the first pass
+    first, and each point keeps its fastest: a stall of the host during one pass reads as a
+    dearer point, and seeded rows plan on these points for the engine's life (and, cached, for
+    later ones). Over 12 fresh profiles of the embedded pair: the plain round at batch 1 spread
+    4.5 % (sd / mean) with one pass, 2.9 % with two; seeded pro drafted in 1 of 12 with one, 0
+    with two, and standard's N was 3-5 against always 3 (its best: docs/bench/planner-ab.md)."""
     stages = _Stages(models)
     model = CostModel({"source": "profile", "budget_s": budget_s})
     t_warm = time.perf_counter()
@@ -200,14 +207,14 @@ def profile(models: ProfiledPair, max_batch: int, max_num_draft: int, budget_s: 
     while time.perf_counter() - t_first < WARM_UP_S:
         stages.round(1, 1)
     t_start = time.perf_counter()
-    for stage, r, n in _plan(max_batch, max_num_draft, stages.ctx):
+    for stage, r, n in _plan(max_batch, max_num_draft, stages.ctx) * PASSES:
         guess = _guess(model, stage, r, n)
         cheap = guess < 0.02
         reps = CHEAP_REPS if cheap else 1
         if model.points and time.perf_counter() - t_start + guess * (reps + cheap) > budget_s:
             continue
         for (s, rr, t), seconds in stages.measure(stage, r, n, reps, warm_up=cheap).items():
-            model.set(s, rr, t, seconds)
+            model.set(s, rr, t, min(seconds, model.points.get(s, {}).get((rr, t), math.inf)))
     model.meta["warm_up_s"] = round(t_start - t_warm, 3)
     model.meta["profile_s"] = round(time.perf_counter() - t_start, 3)
     return model
